@@ -1,0 +1,636 @@
+"""The versioned dataset store.
+
+Layout under the data root (``--root`` / ``OPD_HOME``, default ``./opd-data``)::
+
+    <root>/<name>/<version>/            one dataset; a directory without manifest.json is not one
+        manifest.json                   written last, atomically: the commit point
+        <shard files>                   Parquet (tabular), Arrow IPC (tensors) or plain files
+        .<shard>.meta.json              per-shard rows/bytes/sha256 while the dataset is incomplete
+    <root>/<name>/LATEST                the version the newest commit (or reuse) produced
+    <root>/_runs/<run>.json             a run: which version each stage produced
+    <root>/_cache/verified/...          which shards were checksummed already (size + mtime)
+
+Writers take an exclusive lock per (name, version), so two processes writing the same version
+end with one complete dataset: the second one waits, then finds it committed. A shard is
+written under a temporary name, fsynced, its checksum recorded, and renamed into place; a
+crash at any point leaves only invisible temporaries or complete shards, and a re-run skips
+the complete ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from storage.errors import CorruptDataset, DatasetNotFound, OpdError
+from storage.fingerprint import VERSION_LEN, dataset_version
+from storage.provenance import now_iso, provenance
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+DATASET_NAMES = (
+    "prompts",
+    "trajectories",
+    "features",
+    "sft",
+    "rollouts",
+    "replays",
+    "opd",
+    "eval",
+    "report",
+)
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]*$")
+_VERSION_RE = re.compile(rf"^[0-9a-f]{{{VERSION_LEN}}}$")
+_SHARD_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+_CHUNK = 8 << 20
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("OPD_HOME", "opd-data"))
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    """An exact dataset: NAME@VERSION."""
+
+    name: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    @staticmethod
+    def parse_exact(text: str) -> DatasetRef:
+        name, sep, version = text.partition("@")
+        if not sep or not _NAME_RE.match(name) or not _VERSION_RE.match(version):
+            raise OpdError(f"{text!r} is not an exact dataset ref; expected NAME@<12 hex digits>")
+        return DatasetRef(name, version)
+
+
+def _check_name(name: str) -> None:
+    if name not in DATASET_NAMES:
+        raise OpdError(f"unknown dataset name {name!r}; known names: {', '.join(DATASET_NAMES)}")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small file so readers see either the old or the new content, never a torn one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _disk_error(e: OSError, what: str) -> OpdError:
+    if e.errno == errno.ENOSPC:
+        return OpdError(
+            f"disk full while writing {what}; completed shards are kept and a re-run resumes "
+            "from them: free space or point --root/OPD_HOME at a larger disk"
+        )
+    return OpdError(f"could not write {what}: {e}")
+
+
+class Dataset:
+    """A committed dataset opened for reading. Only shards listed in the manifest are read."""
+
+    def __init__(self, store: Store, ref: DatasetRef):
+        self.store = store
+        self.ref = ref
+        self.path = store.dataset_dir(ref.name, ref.version)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.exists():
+            if self.path.exists():
+                raise DatasetNotFound(
+                    f"{ref} is incomplete (no manifest.json): re-run its stage to resume it, "
+                    "or `opd gc` to remove it"
+                )
+            raise DatasetNotFound(f"dataset {ref} does not exist under {store.root}; see `opd ls`")
+        try:
+            self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptDataset(
+                f"{ref}: manifest.json does not parse ({e}); the dataset is corrupted: "
+                f"delete {self.path} and re-run its stage"
+            ) from None
+        self._shards = {s["path"]: s for s in self.manifest.get("shards", [])}
+        self._verified: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"Dataset({self.ref})"
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.manifest["config"]
+
+    @property
+    def inputs(self) -> dict[str, str]:
+        return self.manifest["inputs"]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.manifest.get("meta", {})
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.manifest.get("rows", 0))
+
+    def shards(self, fmt: str | None = None) -> list[str]:
+        """Shard paths in manifest order, optionally only those of one format."""
+        return [p for p, s in self._shards.items() if fmt is None or s["format"] == fmt]
+
+    def file(self, shard: str) -> Path:
+        """The verified path of one listed shard or file."""
+        if shard not in self._shards:
+            raise OpdError(
+                f"{self.ref} has no shard {shard!r}; listed: {', '.join(self._shards) or 'none'}"
+            )
+        path = self.path / shard
+        if shard not in self._verified:
+            self._verify(shard, path)
+            self._verified.add(shard)
+        return path
+
+    def verify_all(self) -> None:
+        for shard in self._shards:
+            self.file(shard)
+
+    def _verify(self, shard: str, path: Path) -> None:
+        entry = self._shards[shard]
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise CorruptDataset(
+                f"{self.ref}: shard {shard!r} is missing from {self.path}; "
+                "delete the dataset directory and re-run its stage"
+            ) from None
+        if st.st_size != entry["bytes"]:
+            raise CorruptDataset(
+                f"{self.ref}: shard {shard!r} has {st.st_size} bytes, the manifest says "
+                f"{entry['bytes']}; the shard is corrupted: delete {self.path} and re-run its stage"
+            )
+        # Hash once per (size, mtime): later opens only stat the file.
+        stamp = self.store.verify_cache(self.ref) / (shard.replace("/", "%") + ".ok")
+        key = f"{entry['sha256']} {st.st_size} {st.st_mtime_ns}"
+        if stamp.exists() and stamp.read_text() == key:
+            return
+        if _sha256_file(path) != entry["sha256"]:
+            raise CorruptDataset(
+                f"{self.ref}: shard {shard!r} fails its sha256 check; the shard is corrupted: "
+                f"delete {self.path} and re-run its stage"
+            )
+        with contextlib.suppress(OSError):  # a read-only root still reads, just re-hashes
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(stamp, key)
+
+    # -- typed readers ---------------------------------------------------------------------
+
+    def read_ipc(self, shard: str) -> pa.Table:
+        """A memory-mapped Arrow IPC shard: column buffers point into the page cache."""
+        source = pa.memory_map(str(self.file(shard)), "r")
+        return ipc.open_file(source).read_all()
+
+    def ipc_batches(self, shard: str) -> Iterator[pa.RecordBatch]:
+        source = pa.memory_map(str(self.file(shard)), "r")
+        reader = ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+
+    def parquet_files(self) -> list[str]:
+        """Absolute paths of the (verified) Parquet shards, for polars/datasets/pyarrow."""
+        return [str(self.file(s)) for s in self.shards("parquet")]
+
+    def scan(self):
+        """A polars LazyFrame over all Parquet shards."""
+        import polars as pl
+
+        files = self.parquet_files()
+        if not files:
+            raise OpdError(f"{self.ref} has no Parquet shards to scan")
+        return pl.scan_parquet(files)
+
+    def read_table(self) -> pa.Table:
+        files = self.parquet_files()
+        if not files:
+            raise OpdError(f"{self.ref} has no Parquet shards")
+        return pa.concat_tables(pq.read_table(f) for f in files)
+
+
+class DatasetWriter:
+    """Writes one dataset version; use as a context manager (it holds the version's lock).
+
+    Call `write_*` per shard (skipping those `has_shard` reports complete, to resume), then
+    `commit()`. Leaving the block without commit keeps the completed shards for a re-run.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        *,
+        stage: str,
+        stage_version: str,
+        config: dict[str, Any],
+        inputs: dict[str, DatasetRef | str],
+    ):
+        _check_name(name)
+        self.store = store
+        self.name = name
+        self.stage = stage
+        self.stage_version = stage_version
+        self.config = config
+        self.inputs = {role: str(ref) for role, ref in inputs.items()}
+        for role, ref in self.inputs.items():
+            DatasetRef.parse_exact(ref)  # inputs must be exact versions, never "latest"
+        self.version = dataset_version(stage, stage_version, config, self.inputs)
+        self.ref = DatasetRef(name, self.version)
+        self.dir = store.dataset_dir(name, self.version)
+        self._lock_fd: int | None = None
+        self._started = now_iso()
+
+    def exists(self) -> bool:
+        return (self.dir / MANIFEST).exists()
+
+    def __enter__(self) -> DatasetWriter:
+        self.store.ensure_writable()
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        lock = self.dir.parent / f".{self.version}.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[opd] {self.ref} is being written by another process; waiting for it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        self._lock_fd = fd
+        self.dir.mkdir(exist_ok=True)
+        # Temporaries of a crashed writer are garbage; complete shards are kept.
+        for tmp in self.dir.glob("**/.*.tmp-*"):
+            tmp.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _require_lock(self) -> None:
+        if self._lock_fd is None:
+            raise RuntimeError("DatasetWriter used outside its `with` block")
+
+    def _meta_path(self, shard: str) -> Path:
+        p = self.dir / shard
+        return p.with_name(f".{p.name}.meta.json")
+
+    def has_shard(self, shard: str) -> bool:
+        """True if a previous (possibly killed) run completed this shard."""
+        return (self.dir / shard).exists() and self._meta_path(shard).exists()
+
+    def _put(self, shard: str, fmt: str, rows: int | None, write) -> None:
+        """Write via a temp file, fsync, record rows/bytes/sha256, then rename into place."""
+        self._require_lock()
+        if not _SHARD_RE.match(shard) or ".." in shard.split("/") or shard == MANIFEST:
+            raise OpdError(f"invalid shard name {shard!r}")
+        final = self.dir / shard
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        meta_final = self._meta_path(shard)
+        meta_tmp = meta_final.with_name(meta_final.name + f".tmp-{os.getpid()}")
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            meta = {
+                "path": shard,
+                "format": fmt,
+                "rows": rows,
+                "bytes": tmp.stat().st_size,
+                "sha256": _sha256_file(tmp),
+            }
+            meta_tmp.write_text(json.dumps(meta))
+            # Meta first, then the shard: a visible shard always has its meta.
+            os.replace(meta_tmp, meta_final)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            meta_tmp.unlink(missing_ok=True)
+            raise _disk_error(e, f"{self.ref} shard {shard!r}") from e
+
+    def write_parquet(self, shard: str, table: pa.Table) -> None:
+        # No compression dictionary surprises: zstd is deterministic for identical input.
+        self._put(
+            shard,
+            "parquet",
+            table.num_rows,
+            lambda p: pq.write_table(table, p, compression="zstd", write_statistics=True),
+        )
+
+    def write_ipc(self, shard: str, table: pa.Table | list[pa.RecordBatch]) -> None:
+        """Uncompressed Arrow IPC file, so readers can memory-map it zero-copy."""
+        batches = table.to_batches() if isinstance(table, pa.Table) else table
+        schema = table.schema if isinstance(table, pa.Table) else batches[0].schema
+
+        def write(p: Path) -> None:
+            with pa.OSFile(str(p), "wb") as sink, ipc.new_file(sink, schema) as w:
+                for b in batches:
+                    w.write_batch(b)
+
+        self._put(shard, "ipc", sum(b.num_rows for b in batches), write)
+
+    def write_bytes(self, shard: str, data: bytes, fmt: str = "file") -> None:
+        self._put(shard, fmt, None, lambda p: p.write_bytes(data))
+
+    def write_file(self, shard: str, src: Path, fmt: str = "file") -> None:
+        """Copy a file produced elsewhere (weights, plots) into the dataset."""
+        self._put(shard, fmt, None, lambda p: shutil.copyfile(src, p))
+
+    def completed_shards(self) -> list[dict[str, Any]]:
+        metas = []
+        for m in sorted(self.dir.glob("**/.*.meta.json")):
+            meta = json.loads(m.read_text())
+            if (self.dir / meta["path"]).exists():
+                metas.append(meta)
+        return metas
+
+    def commit(self, *, meta: dict[str, Any] | None = None, schema: dict | None = None) -> Dataset:
+        """Write manifest.json (atomically, last). `meta` holds stage-specific facts."""
+        self._require_lock()
+        shards = sorted(self.completed_shards(), key=lambda s: s["path"])
+        if schema is None:
+            schema = self._schemas(shards)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "name": self.name,
+            "version": self.version,
+            "stage": self.stage,
+            "stage_version": self.stage_version,
+            "config": self.config,
+            "inputs": self.inputs,
+            "rows": sum(s["rows"] or 0 for s in shards if s["format"] in ("parquet", "ipc")),
+            "bytes": sum(s["bytes"] for s in shards),
+            "shards": shards,
+            "schema": schema,
+            "meta": meta or {},
+            "provenance": provenance(self._started),
+        }
+        try:
+            atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+        except OSError as e:
+            raise _disk_error(e, f"{self.ref} manifest") from e
+        for m in self.dir.glob("**/.*.meta.json"):
+            m.unlink()
+        self.store.set_latest(self.ref)
+        return Dataset(self.store, self.ref)
+
+    def _schemas(self, shards: list[dict[str, Any]]) -> dict[str, Any]:
+        """The Arrow schema of the first shard of each tabular format, as field -> type."""
+        out: dict[str, Any] = {}
+        for s in shards:
+            fmt = s["format"]
+            if fmt in out or fmt not in ("parquet", "ipc"):
+                continue
+            path = self.dir / s["path"]
+            sch = pq.read_schema(path) if fmt == "parquet" else ipc.open_file(path).schema
+            out[fmt] = {
+                f.name: {
+                    "type": str(f.type),
+                    **{k.decode(): v.decode() for k, v in (f.metadata or {}).items()},
+                }
+                for f in sch
+            }
+        return out
+
+
+class Store:
+    """The data root: resolves refs, opens datasets, creates writers, lists and cleans."""
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root) if root is not None else default_root()
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.root)!r})"
+
+    def dataset_dir(self, name: str, version: str) -> Path:
+        return self.root / name / version
+
+    def verify_cache(self, ref: DatasetRef) -> Path:
+        return self.root / "_cache" / "verified" / ref.name / ref.version
+
+    def ensure_writable(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-probe-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise OpdError(
+                f"data root {self.root} is not writable ({e.strerror}); "
+                "pass --root or set OPD_HOME to a writable directory"
+            ) from None
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def writer(
+        self,
+        name: str,
+        *,
+        stage: str,
+        stage_version: str,
+        config: dict[str, Any],
+        inputs: dict[str, DatasetRef | str] | None = None,
+    ) -> DatasetWriter:
+        return DatasetWriter(
+            self,
+            name,
+            stage=stage,
+            stage_version=stage_version,
+            config=config,
+            inputs=inputs or {},
+        )
+
+    def set_latest(self, ref: DatasetRef) -> None:
+        atomic_write_text(self.root / ref.name / "LATEST", ref.version + "\n")
+
+    def record_run(self, run: str, produced: dict[str, DatasetRef | str]) -> Path:
+        """Record which version each stage of a named run produced (merged into earlier calls)."""
+        if not _NAME_RE.match(run):
+            raise OpdError(f"invalid run name {run!r}: use lowercase letters, digits, - and _")
+        path = self.root / "_runs" / f"{run}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = json.loads(path.read_text()) if path.exists() else {"run": run, "datasets": {}}
+        data["datasets"].update({k: str(v) for k, v in produced.items()})
+        data["updated_at"] = now_iso()
+        atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True))
+        return path
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def resolve(self, text: str) -> DatasetRef:
+        """`NAME@VERSION`, `NAME@latest` (or bare `NAME`), or `NAME@run:RUN` -> exact ref."""
+        name, sep, what = text.strip().partition("@")
+        if not _NAME_RE.match(name or "-"):
+            raise OpdError(
+                f"bad dataset ref {text!r}; expected NAME@VERSION, NAME@latest or NAME@run:RUN"
+            )
+        _check_name(name)
+        if not sep or what == "latest":
+            latest = self.root / name / "LATEST"
+            if not latest.exists():
+                raise DatasetNotFound(
+                    f"no {name} dataset under {self.root} yet: run its stage first "
+                    f"(`opd run {name}`) or check --root/OPD_HOME"
+                )
+            return DatasetRef(name, latest.read_text().strip())
+        if what.startswith("run:"):
+            run = what[4:]
+            path = self.root / "_runs" / f"{run}.json"
+            if not path.exists():
+                raise DatasetNotFound(f"no run named {run!r} under {self.root}")
+            produced = json.loads(path.read_text())["datasets"]
+            if name not in produced:
+                raise DatasetNotFound(
+                    f"run {run!r} produced no {name} dataset; it has: {', '.join(produced)}"
+                )
+            return DatasetRef.parse_exact(produced[name])
+        if re.fullmatch(r"[0-9a-f]{4,12}", what):
+            matches = [v for v in self.versions(name) if v.startswith(what)]
+            if len(matches) == 1:
+                return DatasetRef(name, matches[0])
+            if len(matches) > 1:
+                raise OpdError(f"{text!r} is ambiguous: {', '.join(matches)}")
+            raise DatasetNotFound(f"no {name} dataset version starting with {what!r}; see `opd ls {name}`")
+        raise OpdError(
+            f"bad dataset ref {text!r}; expected NAME@VERSION, NAME@latest or NAME@run:RUN"
+        )
+
+    def open(self, ref: str | DatasetRef) -> Dataset:
+        if isinstance(ref, str):
+            ref = self.resolve(ref)
+        return Dataset(self, ref)
+
+    def exists(self, ref: DatasetRef) -> bool:
+        return (self.dataset_dir(ref.name, ref.version) / MANIFEST).exists()
+
+    def versions(self, name: str) -> list[str]:
+        d = self.root / name
+        if not d.is_dir():
+            return []
+        return sorted(p.name for p in d.iterdir() if p.is_dir() and _VERSION_RE.match(p.name))
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return [n for n in DATASET_NAMES if (self.root / n).is_dir()]
+
+    def listing(self, name: str | None = None) -> list[dict[str, Any]]:
+        """One row per version directory: complete or not, rows, bytes, creation time."""
+        if name is not None:
+            _check_name(name)
+        rows = []
+        for n in [name] if name else self.names():
+            latest_file = self.root / n / "LATEST"
+            latest = latest_file.read_text().strip() if latest_file.exists() else None
+            for v in self.versions(n):
+                d = self.dataset_dir(n, v)
+                row: dict[str, Any] = {"name": n, "version": v, "latest": v == latest}
+                try:
+                    m = json.loads((d / MANIFEST).read_text())
+                    row |= {
+                        "complete": True,
+                        "rows": m["rows"],
+                        "bytes": m["bytes"],
+                        "created": m["provenance"]["committed_at"],
+                        "stage": m["stage"],
+                    }
+                except FileNotFoundError:
+                    partial = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+                    row |= {"complete": False, "rows": None, "bytes": partial, "created": None}
+                except (json.JSONDecodeError, KeyError):
+                    row |= {"complete": False, "rows": None, "bytes": None, "created": "corrupt"}
+                rows.append(row)
+        return rows
+
+    def lineage(self, ref: DatasetRef) -> dict[str, Any]:
+        """The tree of inputs back to the sources: {ref, stage, inputs: {role: subtree}}."""
+        ds = self.open(ref)
+        return {
+            "ref": str(ref),
+            "stage": ds.manifest.get("stage"),
+            "inputs": {
+                role: self.lineage(DatasetRef.parse_exact(r)) if self.exists(
+                    DatasetRef.parse_exact(r)
+                ) else {"ref": r, "missing": True}
+                for role, r in ds.inputs.items()
+            },
+        }
+
+    def _locked(self, name: str, version: str) -> bool:
+        lock = self.root / name / f".{version}.lock"
+        if not lock.exists():
+            return False
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
+
+    def gc(self, dry_run: bool = False) -> list[Path]:
+        """Remove incomplete dataset directories and stale temporaries no writer holds."""
+        doomed: list[Path] = []
+        for name in self.names():
+            for v in self.versions(name):
+                d = self.dataset_dir(name, v)
+                if self._locked(name, v):
+                    continue
+                if not (d / MANIFEST).exists():
+                    doomed.append(d)
+                else:
+                    doomed += list(d.glob("**/.*.tmp-*")) + list(d.glob("**/.*.meta.json"))
+            for lock in (self.root / name).glob(".*.lock"):
+                v = lock.name[1:-5]
+                if not self.dataset_dir(name, v).exists() and not self._locked(name, v):
+                    doomed.append(lock)
+        if not dry_run:
+            for p in doomed:
+                if p.is_dir():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink(missing_ok=True)
+        return doomed

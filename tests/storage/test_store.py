@@ -1,0 +1,327 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from pipeline.config import StrictConfig, runtime_field, version_dict
+from storage import (
+    CorruptDataset,
+    DatasetNotFound,
+    OpdError,
+    Store,
+    dataset_version,
+    read_tensor_column,
+    tensor_array,
+    tensor_field,
+)
+
+PROC = Path(__file__).with_name("writer_proc.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_proc(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    p = subprocess.run(
+        [sys.executable, str(PROC), str(root), *args], env=env, capture_output=True, text=True
+    )
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def checksums(store: Store) -> dict[str, str]:
+    ds = store.open("features@latest")
+    return {s["path"]: s["sha256"] for s in ds.manifest["shards"]}
+
+
+def make_dataset(store: Store, n: int = 2):
+    w = store.writer("prompts", stage="prompts", stage_version="1", config={"n": n})
+    with w:
+        for i in range(n):
+            w.write_parquet(f"part-{i}.parquet", pa.table({"i": list(range(i * 3, i * 3 + 3))}))
+        return w.commit()
+
+
+# -- versions ---------------------------------------------------------------------------
+
+
+class Cfg(StrictConfig):
+    lr: float = 1e-3
+    layers: list[int] = [2, 4]
+    progress: bool = runtime_field(True, "progress bar only")
+
+
+def test_version_ignores_key_order_and_runtime_fields():
+    a = dataset_version("sft", "1", {"a": 1, "b": {"x": 1, "y": 2}}, {"features": "features@" + "0" * 12})
+    b = dataset_version("sft", "1", {"b": {"y": 2, "x": 1}, "a": 1}, {"features": "features@" + "0" * 12})
+    assert a == b and len(a) == 12
+    assert version_dict(Cfg(progress=False)) == version_dict(Cfg(progress=True))
+    assert "progress" not in version_dict(Cfg())
+
+
+def test_version_changes_with_what_matters():
+    base = dataset_version("sft", "1", version_dict(Cfg()), {})
+    assert dataset_version("sft", "1", version_dict(Cfg(lr=2e-3)), {}) != base
+    assert dataset_version("sft", "2", version_dict(Cfg()), {}) != base
+    assert dataset_version("sft", "1", version_dict(Cfg()), {"f": "features@" + "1" * 12}) != base
+    with pytest.raises(ValueError, match="non-finite"):
+        dataset_version("sft", "1", {"lr": float("nan")}, {})
+
+
+def test_strict_config_rejects_unknown_keys():
+    with pytest.raises(Exception, match="extra"):
+        Cfg(lrr=1.0)
+
+
+# -- write, read, resolve ----------------------------------------------------------------
+
+
+def test_commit_resolve_and_lineage(tmp_path):
+    store = Store(tmp_path)
+    ds = make_dataset(store)
+    assert ds.num_rows == 6
+    assert store.resolve("prompts") == ds.ref
+    assert store.resolve("prompts@latest") == ds.ref
+    assert store.resolve(f"prompts@{ds.ref.version}") == ds.ref
+    assert store.resolve(f"prompts@{ds.ref.version[:6]}") == ds.ref
+    w = store.writer("trajectories", stage="generate", stage_version="1", config={}, inputs={"prompts": ds.ref})
+    with w:
+        w.write_parquet("a.parquet", pa.table({"x": [1]}))
+        traj = w.commit()
+    store.record_run("demo", {"prompts": ds.ref, "trajectories": traj.ref})
+    assert store.resolve("trajectories@run:demo") == traj.ref
+    lin = store.lineage(traj.ref)
+    assert lin["inputs"]["prompts"]["ref"] == str(ds.ref)
+    m = traj.manifest
+    assert m["inputs"] == {"prompts": str(ds.ref)}
+    assert set(m["provenance"]) >= {"git", "packages", "command", "started_at", "committed_at"}
+    assert m["provenance"]["packages"]["torch"].startswith("2.13")
+    assert m["shards"][0]["sha256"] and m["shards"][0]["rows"] == 1
+
+
+def test_tabular_readers(tmp_path):
+    import datasets
+    import polars as pl
+
+    ds = make_dataset(Store(tmp_path))
+    lf = ds.scan()
+    assert isinstance(lf, pl.LazyFrame)
+    assert lf.select(pl.col("i").sum()).collect().item() == sum(range(6))
+    hf = datasets.load_dataset(
+        "parquet", data_files=ds.parquet_files(), split="train", cache_dir=str(tmp_path / "hf")
+    )
+    assert sorted(hf["i"]) == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "ref, msg",
+    [
+        ("nonsense", "unknown dataset name"),
+        ("prompts@@x", "bad dataset ref"),
+        ("prompts@zzzz-1", "bad dataset ref"),
+        ("prompts@abcdef123456", "no prompts dataset version"),
+        ("prompts@run:nope", "no run named"),
+        ("sft@latest", "no sft dataset"),
+    ],
+)
+def test_bad_refs(tmp_path, ref, msg):
+    store = Store(tmp_path)
+    make_dataset(store)
+    with pytest.raises(OpdError, match=msg):
+        store.open(ref)
+
+
+def test_unwritable_root_and_incomplete_dataset(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = Store(blocker / "root")
+    w = store.writer("prompts", stage="p", stage_version="1", config={})
+    with pytest.raises(OpdError, match="not writable"), w:
+        pass
+    assert not (blocker / "root").exists()
+
+    store = Store(tmp_path / "ok")
+    w = store.writer("prompts", stage="p", stage_version="1", config={})
+    with w:
+        w.write_parquet("a.parquet", pa.table({"x": [1]}))
+    with pytest.raises(DatasetNotFound, match="incomplete"):
+        store.open(w.ref)
+    assert store.listing()[0]["complete"] is False
+    assert store.gc(dry_run=True) == [w.dir] and w.dir.exists()
+    store.gc()
+    assert not w.dir.exists()
+
+
+def test_inputs_must_be_exact(tmp_path):
+    with pytest.raises(OpdError, match="exact dataset ref"):
+        Store(tmp_path).writer("sft", stage="s", stage_version="1", config={}, inputs={"f": "features@latest"})
+
+
+# -- corruption --------------------------------------------------------------------------
+
+
+def test_corruption_is_detected_with_a_clear_error(tmp_path):
+    store = Store(tmp_path)
+    ds = make_dataset(store)
+    shard = ds.path / "part-1.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fresh = store.open(ds.ref)
+    with pytest.raises(CorruptDataset, match=rf"{ds.ref}.*part-1.parquet.*sha256"):
+        fresh.parquet_files()
+
+    shard.unlink()
+    with pytest.raises(CorruptDataset, match=rf"{ds.ref}.*part-1.parquet.*missing"):
+        store.open(ds.ref).parquet_files()
+
+    (ds.path / "manifest.json").write_text("{not json")
+    with pytest.raises(CorruptDataset, match="manifest.json does not parse"):
+        store.open(ds.ref)
+
+
+def test_verification_is_cached_but_rechecks_changed_files(tmp_path):
+    store = Store(tmp_path)
+    ds = make_dataset(store)
+    ds.verify_all()
+    assert list(store.verify_cache(ds.ref).glob("*.ok"))
+    shard = ds.path / "part-0.parquet"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1
+    shard.write_bytes(bytes(data))  # same size, new mtime: must be re-hashed
+    with pytest.raises(CorruptDataset):
+        store.open(ds.ref).verify_all()
+
+
+# -- crashes and concurrency -------------------------------------------------------------
+
+
+def test_uninterrupted_reference(tmp_path):
+    run_proc(tmp_path, "4")
+    assert len(checksums(Store(tmp_path))) == 8
+
+
+@pytest.mark.parametrize("mode", ["kill-after-shard", "kill-mid-shard"])
+def test_sigkill_then_resume_is_byte_identical(tmp_path, mode):
+    ref_root, root = tmp_path / "ref", tmp_path / "crash"
+    run_proc(ref_root, "4")
+    p = run_proc(root, "4", mode, "1", check=False)
+    assert p.returncode == -signal.SIGKILL
+    store = Store(root)
+    with pytest.raises(DatasetNotFound):
+        store.open("features@latest")
+    assert [r["complete"] for r in store.listing()] == [False]
+    run_proc(root, "4")
+    assert checksums(store) == checksums(Store(ref_root))
+    leftovers = [p.name for p in store.open("features@latest").path.iterdir()]
+    assert not [n for n in leftovers if n.startswith(".")], leftovers
+
+
+def test_sigkill_at_a_random_moment_then_resume(tmp_path):
+    ref_root, root = tmp_path / "ref", tmp_path / "crash"
+    run_proc(ref_root, "6")
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, str(PROC), str(root), "6", "slow", "0.3"], env=env)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(root.glob("features/*/shard-00001.arrow")):
+        time.sleep(0.02)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    run_proc(root, "6")
+    assert checksums(Store(root)) == checksums(Store(ref_root))
+
+
+def test_concurrent_writers_end_with_one_complete_dataset(tmp_path):
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(PROC), str(tmp_path), "4", "slow", "0.05"],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(o.strip().splitlines()[-1] for o in outs) == ["committed", "exists"]
+    store = Store(tmp_path)
+    ds = store.open("features@latest")
+    ds.verify_all()
+    assert ds.num_rows == 32
+    assert len(store.versions("features")) == 1
+
+
+# -- tensors -----------------------------------------------------------------------------
+
+
+def test_bf16_round_trip_is_bit_exact_for_every_pattern(tmp_path):
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    t = patterns.view(torch.bfloat16).reshape(-1, 64)  # includes NaNs, infs, subnormals, -0
+    field = tensor_field("h", torch.bfloat16, 64)
+    table = pa.table([tensor_array([t[:100], t[100:]], field)], schema=pa.schema([field]))
+    store = Store(tmp_path)
+    w = store.writer("features", stage="t", stage_version="1", config={})
+    with w:
+        w.write_ipc("s.arrow", table)
+        ds = w.commit()
+    assert ds.manifest["shards"][0]["bytes"] < t.numel() * 2 + 4096  # 2 bytes a value
+    back = ds.read_ipc("s.arrow")
+    values, offsets = read_tensor_column(back.column("h"), back.schema.field("h"))
+    assert values.dtype == torch.bfloat16
+    assert torch.equal(values.view(torch.int16), t.view(torch.int16))
+    assert offsets.tolist() == [0, 100, 1024]
+
+
+def _mapping_of(ptr: int) -> str | None:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi:
+            return parts[5] if len(parts) > 5 else ""
+    return None
+
+
+def test_read_path_is_zero_copy_from_the_mapped_file(tmp_path):
+    field = tensor_field("aux", torch.bfloat16, 32)
+    tensors = [torch.randn(n, 32).bfloat16() for n in (7, 1, 12)]
+    table = pa.table([tensor_array(tensors, field)], schema=pa.schema([field]))
+    store = Store(tmp_path)
+    w = store.writer("features", stage="t", stage_version="1", config={})
+    with w:
+        w.write_ipc("s.arrow", table)
+        ds = w.commit()
+    back = ds.read_ipc("s.arrow")
+    values, offsets = read_tensor_column(back.column("aux"), back.schema.field("aux"))
+    assert _mapping_of(values.data_ptr()) == str(ds.file("s.arrow").resolve())
+    for i, t in enumerate(tensors):
+        assert torch.equal(values[offsets[i] : offsets[i + 1]], t)
+
+
+def test_sliced_tensor_column_reads_the_right_rows():
+    field = tensor_field("h", torch.float32, 3)
+    tensors = [torch.full((n, 3), float(n)) for n in (1, 2, 3, 4)]
+    arr = tensor_array(tensors, field).slice(1, 2)
+    values, offsets = read_tensor_column(arr, field)
+    assert offsets.tolist() == [0, 2, 5]
+    assert torch.equal(values, torch.cat(tensors[1:3]))
+
+
+def test_tensor_column_rejects_wrong_shapes():
+    field = tensor_field("h", torch.bfloat16, 8)
+    with pytest.raises(OpdError, match=r"row 1: expected a \[T, 8\] bfloat16"):
+        tensor_array([torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 9, dtype=torch.bfloat16)], field)
+
+
+def test_manifest_lists_schema_with_tensor_dtype(tmp_path):
+    run_proc(tmp_path, "1")
+    m = json.loads(next(Path(tmp_path).glob("features/*/manifest.json")).read_text())
+    assert m["schema"]["ipc"]["hidden"]["opd.dtype"] == "bfloat16"
+    assert m["schema"]["parquet"]["x"]["type"] == "double"
