@@ -1,1 +1,1 @@
-"""flows package."""
+"""Prefect wiring only: flows, tasks, deployments. No tensors, no stage logic."""

@@ -128,6 +128,66 @@ def gc_cmd(store: Store, dry_run: bool) -> None:
     click.echo(f"{verb} {len(removed)} path(s)")
 
 
+def _setup_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+
+@cli.command("run")
+@click.argument("stage")
+@click.option("--profile", default="default", show_default=True, help="Config profile (tiny, default).")
+@click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True), help="JSON config applied over the profile.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one config value, e.g. --set sft.lr=1e-3 (repeatable).")
+@click.option("--input", "input_refs", multiple=True, metavar="ROLE=REF", help="Use this dataset for an input role instead of the latest (repeatable).")
+@click.option("--force", is_flag=True, help="Recompute the stage's output even if its version exists.")
+@click.option("--run-name", default="default", show_default=True, help="Record produced versions under this run name (NAME@run:RUN).")
+@click.option("--prefect", "use_prefect", is_flag=True, help="Run as a Prefect flow (in-process, no server needed).")
+@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+@click.pass_obj
+def run_cmd(store: Store, stage: str, profile: str, config_file: Path | None, sets: tuple[str, ...],
+            input_refs: tuple[str, ...], force: bool, run_name: str, use_prefect: bool, no_progress: bool) -> None:
+    """Run one STAGE on the latest (or given) inputs, or a chain (sft-chain, full).
+
+    Work whose version already exists is skipped; the produced refs are printed.
+    """
+    from pipeline.chains import CHAINS, run_chain, single_step
+    from pipeline.profiles import load_config
+    from pipeline.runner import RunContext
+    from pipeline.targets import TargetLoader
+
+    _setup_logging()
+    cfg = load_config(profile, config_file, list(sets))
+    ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=not no_progress)
+    if stage in CHAINS:
+        steps = CHAINS[stage](cfg)
+        external = {}
+        forced = {s.key for s in steps} if force else set()
+    else:
+        step = single_step(stage, cfg)
+        roles = dict(r.split("=", 1) for r in input_refs if "=" in r)
+        bad = [r for r in input_refs if "=" not in r] + [r for r in roles if r not in step.module.INPUTS]
+        if bad:
+            raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {list(step.module.INPUTS)}")
+        external = {role: store.open(roles.get(role, role)) for role in step.module.INPUTS}
+        step.inputs = {role: role for role in step.module.INPUTS}
+        steps = [step]
+        forced = {step.key} if force else set()
+    if use_prefect:
+        from flows.pipeline import run_steps_flow
+
+        results = run_steps_flow(steps, ctx, external, forced)
+    else:
+        results = run_chain(steps, ctx, external=external, force=forced)
+    produced: dict[str, str] = {}
+    for key, r in results.items():  # by step key, and by dataset name (the last one wins)
+        if r.dataset is not None:
+            produced[key] = produced[r.ref.name] = str(r.ref)
+    store.record_run(run_name, produced)
+    for key, r in results.items():
+        click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
+
+
 def main() -> None:
     cli()
 

@@ -263,8 +263,13 @@ class DatasetWriter:
         stage_version: str,
         config: dict[str, Any],
         inputs: dict[str, DatasetRef | str],
+        rank: int = 0,
+        world_size: int = 1,
     ):
         _check_name(name)
+        if not 0 <= rank < world_size:
+            raise OpdError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.rank, self.world_size = rank, world_size
         self.store = store
         self.name = name
         self.stage = stage
@@ -285,7 +290,9 @@ class DatasetWriter:
     def __enter__(self) -> DatasetWriter:
         self.store.ensure_writable()
         self.dir.parent.mkdir(parents=True, exist_ok=True)
-        lock = self.dir.parent / f".{self.version}.lock"
+        # One lock per rank: ranks of a sharded stage write disjoint shards side by side.
+        suffix = "" if self.world_size == 1 else f".r{self.rank}"
+        lock = self.dir.parent / f".{self.version}{suffix}.lock"
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -294,10 +301,25 @@ class DatasetWriter:
             fcntl.flock(fd, fcntl.LOCK_EX)
         self._lock_fd = fd
         self.dir.mkdir(exist_ok=True)
-        # Temporaries of a crashed writer are garbage; complete shards are kept.
+        # Temporaries of a crashed writer are garbage; complete shards are kept. With several
+        # ranks only this rank's temporaries are ours to remove.
         for tmp in self.dir.glob("**/.*.tmp-*"):
-            tmp.unlink(missing_ok=True)
+            if self.world_size == 1 or self._owned(tmp.name):
+                tmp.unlink(missing_ok=True)
         return self
+
+    def _owned(self, name: str) -> bool:
+        return f".tmp-r{self.rank}-" in name
+
+    def rank_done(self) -> None:
+        """Mark this rank's shards complete (sharded stages call it instead of commit)."""
+        self._require_lock()
+        atomic_write_text(self.dir / f".rank-{self.rank}-of-{self.world_size}.done", now_iso())
+
+    def ranks_done(self) -> list[int]:
+        return sorted(
+            int(p.name.split("-")[1]) for p in self.dir.glob(f".rank-*-of-{self.world_size}.done")
+        )
 
     def __exit__(self, *exc: object) -> None:
         if self._lock_fd is not None:
@@ -324,9 +346,9 @@ class DatasetWriter:
             raise OpdError(f"invalid shard name {shard!r}")
         final = self.dir / shard
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        tmp = final.with_name(f".{final.name}.tmp-r{self.rank}-{os.getpid()}")
         meta_final = self._meta_path(shard)
-        meta_tmp = meta_final.with_name(meta_final.name + f".tmp-{os.getpid()}")
+        meta_tmp = meta_final.with_name(f"{meta_final.name}.tmp-r{self.rank}-{os.getpid()}")
         try:
             write(tmp)
             with open(tmp, "rb+") as f:
@@ -387,6 +409,10 @@ class DatasetWriter:
     def commit(self, *, meta: dict[str, Any] | None = None, schema: dict | None = None) -> Dataset:
         """Write manifest.json (atomically, last). `meta` holds stage-specific facts."""
         self._require_lock()
+        if self.world_size > 1:
+            missing = sorted(set(range(self.world_size)) - set(self.ranks_done()))
+            if missing:
+                raise OpdError(f"{self.ref}: ranks {missing} have not finished; cannot commit yet")
         shards = sorted(self.completed_shards(), key=lambda s: s["path"])
         if schema is None:
             schema = self._schemas(shards)
@@ -409,7 +435,7 @@ class DatasetWriter:
             atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
         except OSError as e:
             raise _disk_error(e, f"{self.ref} manifest") from e
-        for m in self.dir.glob("**/.*.meta.json"):
+        for m in [*self.dir.glob("**/.*.meta.json"), *self.dir.glob(".rank-*.done")]:
             m.unlink()
         self.store.set_latest(self.ref)
         return Dataset(self.store, self.ref)
@@ -470,6 +496,8 @@ class Store:
         stage_version: str,
         config: dict[str, Any],
         inputs: dict[str, DatasetRef | str] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> DatasetWriter:
         return DatasetWriter(
             self,
@@ -478,6 +506,8 @@ class Store:
             stage_version=stage_version,
             config=config,
             inputs=inputs or {},
+            rank=rank,
+            world_size=world_size,
         )
 
     def set_latest(self, ref: DatasetRef) -> None:
@@ -597,19 +627,18 @@ class Store:
         }
 
     def _locked(self, name: str, version: str) -> bool:
-        lock = self.root / name / f".{version}.lock"
-        if not lock.exists():
-            return False
-        fd = os.open(lock, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        finally:
-            os.close(fd)
+        """Whether any writer (any rank) currently holds this version."""
+        for lock in (self.root / name).glob(f".{version}*.lock"):
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+        return False
 
     def gc(self, dry_run: bool = False) -> list[Path]:
         """Remove incomplete dataset directories and stale temporaries no writer holds."""
@@ -622,9 +651,9 @@ class Store:
                 if not (d / MANIFEST).exists():
                     doomed.append(d)
                 else:
-                    doomed += list(d.glob("**/.*.tmp-*")) + list(d.glob("**/.*.meta.json"))
+                    doomed += [*d.glob("**/.*.tmp-*"), *d.glob("**/.*.meta.json"), *d.glob(".rank-*")]
             for lock in (self.root / name).glob(".*.lock"):
-                v = lock.name[1:-5]
+                v = lock.name[1:].split(".")[0]
                 if not self.dataset_dir(name, v).exists() and not self._locked(name, v):
                     doomed.append(lock)
         if not dry_run:
