@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from pipeline import features, generate
+from pipeline import evaluate, features, generate, prompts, sft
 from pipeline.config import StrictConfig
 from pipeline.profiles import PipelineConfig
 from pipeline.runner import RunContext, StageResult, run_stage
@@ -30,9 +30,17 @@ class Step:
 
 def stage_modules() -> dict[str, ModuleType]:
     """Stage name -> module, in pipeline order."""
-    from pipeline import prompts
+    return {
+        "prompts": prompts,
+        "generate": generate,
+        "features": features,
+        "sft": sft,
+        "evaluate": evaluate,
+    }
 
-    return {"prompts": prompts, "generate": generate, "features": features}
+
+# Which dataset a single-stage run reads for each input role when none is given.
+DEFAULT_INPUT = {"drafter": "sft"}
 
 
 def single_step(name: str, cfg: PipelineConfig) -> Step:
@@ -45,18 +53,27 @@ def single_step(name: str, cfg: PipelineConfig) -> Step:
 
 
 def sft_chain(cfg: PipelineConfig) -> list[Step]:
-    from pipeline import prompts
-
     return [
         Step("prompts", prompts, cfg.prompts),
         Step("generate", generate, cfg.generate, {"prompts": "prompts"}),
         Step("features", features, cfg.features, {"trajectories": "generate"}),
+        Step("sft", sft, cfg.sft, {"features": "features"}),
+        Step("evaluate", evaluate, cfg.evaluate, {"prompts": "prompts", "drafter": "sft"}),
     ]
 
 
 CHAINS: dict[str, Callable[[PipelineConfig], list[Step]]] = {"sft-chain": sft_chain}
 
 Execute = Callable[[Step, dict[str, Dataset]], StageResult]
+
+
+def record_results(ctx: RunContext, run_name: str, results: dict[str, StageResult]) -> None:
+    """Remember what a named run produced: by step key, and by dataset name (last one wins)."""
+    produced: dict[str, str] = {}
+    for key, r in results.items():
+        if r.dataset is not None:
+            produced[key] = produced[r.ref.name] = str(r.ref)
+    ctx.store.record_run(run_name, produced)
 
 
 def run_chain(
@@ -86,3 +103,14 @@ def run_chain(
                 raise OpdError(f"step {step.key!r} needs {role!r} from {source!r}, which has not run")
         results[step.key] = execute(step, inputs)
     return results
+
+
+def summary_markdown(results: dict[str, StageResult]) -> str:
+    """A markdown table of what each step produced, with τ where a step measured it."""
+    lines = ["| step | dataset | status | τ |", "|---|---|---|---|"]
+    for key, r in results.items():
+        tau = r.dataset.meta.get("tau") if r.dataset is not None else None
+        status = "cached" if r.reused else f"ran {r.seconds:.0f}s"
+        tau_s = f"{tau:.3f}" if isinstance(tau, int | float) else ""
+        lines.append(f"| {key} | `{r.ref}` | {status} | {tau_s} |")
+    return "\n".join(lines)

@@ -151,7 +151,7 @@ def run_cmd(store: Store, stage: str, profile: str, config_file: Path | None, se
 
     Work whose version already exists is skipped; the produced refs are printed.
     """
-    from pipeline.chains import CHAINS, run_chain, single_step
+    from pipeline.chains import CHAINS, DEFAULT_INPUT, record_results, run_chain, single_step
     from pipeline.profiles import load_config
     from pipeline.runner import RunContext
     from pipeline.targets import TargetLoader
@@ -169,7 +169,10 @@ def run_cmd(store: Store, stage: str, profile: str, config_file: Path | None, se
         bad = [r for r in input_refs if "=" not in r] + [r for r in roles if r not in step.module.INPUTS]
         if bad:
             raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {list(step.module.INPUTS)}")
-        external = {role: store.open(roles.get(role, role)) for role in step.module.INPUTS}
+        external = {
+            role: store.open(roles.get(role, DEFAULT_INPUT.get(role, role)))
+            for role in step.module.INPUTS
+        }
         step.inputs = {role: role for role in step.module.INPUTS}
         steps = [step]
         forced = {step.key} if force else set()
@@ -179,11 +182,7 @@ def run_cmd(store: Store, stage: str, profile: str, config_file: Path | None, se
         results = run_steps_flow(steps, ctx, external, forced)
     else:
         results = run_chain(steps, ctx, external=external, force=forced)
-    produced: dict[str, str] = {}
-    for key, r in results.items():  # by step key, and by dataset name (the last one wins)
-        if r.dataset is not None:
-            produced[key] = produced[r.ref.name] = str(r.ref)
-    store.record_run(run_name, produced)
+    record_results(ctx, run_name, results)
     for key, r in results.items():
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
 

@@ -13,8 +13,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pipeline.evaluate import Config as EvaluateConfig
 from pipeline.features import Config as FeaturesConfig
 from pipeline.generate import Config as GenerateConfig
+from pipeline.prompts import PromptsConfig
+from pipeline.sft import Config as SFTConfig
 from pipeline.config import StrictConfig
 from pipeline.targets import TargetConfig
 from storage import OpdError
@@ -24,8 +27,11 @@ PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 class PipelineConfig(StrictConfig):
     target: TargetConfig = TargetConfig()
+    prompts: PromptsConfig = PromptsConfig()
     generate: GenerateConfig = GenerateConfig()
     features: FeaturesConfig = FeaturesConfig()
+    sft: SFTConfig = SFTConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
 
 
 def profiles() -> list[str]:

@@ -52,6 +52,11 @@ class StageResult:
 def output_version_config(module: ModuleType, cfg: StrictConfig, ctx: RunContext) -> dict[str, Any]:
     """The config recorded in (and hashed into) the output's manifest."""
     out: dict[str, Any] = {"stage": version_dict(cfg)}
+    if hasattr(module, "version_extra"):  # e.g. the content hash of a source file
+        try:
+            out |= module.version_extra(cfg)
+        except ValueError as e:
+            raise OpdError(str(e)) from None
     if getattr(module, "USES_TARGET", False):
         if ctx.target_loader is None:
             raise OpdError(f"stage {module.STAGE} needs a target but none is configured")

@@ -1,0 +1,249 @@
+"""Drafter losses and acceptance math, as pure functions.
+
+Conventions: q is the drafter's distribution over the draft vocab [.., Vd], p the target's.
+Masks are bool [B, T] (True = this position counts). Masked positions are dropped before any
+arithmetic, so whatever they hold (even NaN) changes neither the value nor the gradient. Scalar
+losses are means over the unmasked positions; with none, the result is a graph-connected 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.drafter import DraftVocab
+
+
+def _check_mask(mask: Tensor, shape: torch.Size, what: str) -> None:
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{what} mask must be bool (True = position counts), got {mask.dtype}")
+    if mask.shape != shape:
+        raise ValueError(f"{what} mask has shape {tuple(mask.shape)}, expected {tuple(shape)}")
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    # bf16/fp16 logits are upcast for the softmax; fp64 stays fp64 (gradcheck).
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `values` [..] over positions where `mask` [..] is True (graph-connected 0 if none)."""
+    _check_mask(mask, values.shape, "masked_mean")
+    picked = values[mask]
+    return picked.sum() / max(picked.numel(), 1)
+
+
+def teacher_draft_probs(
+    target_logits: Tensor,
+    vocab: DraftVocab,
+    temperature: float = 1.0,
+    *,
+    renormalize: bool = True,
+) -> Tensor:
+    """Target distribution on the draft vocab: [.., V] logits -> [.., Vd] fp32.
+
+    renormalize=True (the training teacher, as EAGLE-3 does): p restricted to the draft vocab and
+    renormalised, i.e. softmax over the draft ids' logits. The drafter can only put mass on draft
+    ids, and among such q this teacher is the one cross-entropy / KL pull q towards: the argmin of
+    KL(p || q) over q supported on the draft vocab is exactly p restricted and renormalised.
+
+    renormalize=False: the FULL target distribution's mass on each draft id (sums to <= 1; the rest
+    lies outside the draft vocab). Use it for acceptance: alpha = sum min(p, q) with q = 0 outside
+    the draft vocab, so `acceptance_rate(q, teacher_draft_probs(.., renormalize=False))` is the true
+    alpha against the full p, and the outside mass is the ceiling on it.
+
+    temperature 0 is greedy: a one-hot at the argmax (of the draft ids' logits when renormalising;
+    of the full vocab otherwise, which is all-zero on the draft vocab when that token is outside it).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if target_logits.shape[-1] != vocab.vocab_size:
+        raise ValueError(
+            f"target_logits last dim is {target_logits.shape[-1]}, the draft vocab maps a "
+            f"{vocab.vocab_size}-token target vocab"
+        )
+    ids = vocab.draft_to_target_ids.to(target_logits.device)
+    logits = target_logits.float()
+    if temperature == 0:
+        if renormalize:
+            return F.one_hot(logits[..., ids].argmax(-1), ids.numel()).float()
+        return F.one_hot(logits.argmax(-1), vocab.vocab_size).float()[..., ids]
+    if renormalize:
+        return (logits[..., ids] / temperature).softmax(-1)
+    return (logits / temperature).softmax(-1)[..., ids]
+
+
+def draft_to_target_probs(draft_probs: Tensor, vocab: DraftVocab) -> Tensor:
+    """Scatter q [.., Vd] into the target vocab [.., V] with zeros outside the draft vocab."""
+    out = draft_probs.new_zeros(*draft_probs.shape[:-1], vocab.vocab_size)
+    return out.index_copy(-1, vocab.draft_to_target_ids.to(draft_probs.device), draft_probs)
+
+
+def _rows(mask: Tensor, *tensors: Tensor) -> list[Tensor]:
+    _check_mask(mask, tensors[0].shape[:-1], "loss")
+    for t in tensors[1:]:
+        if t.shape != tensors[0].shape:
+            raise ValueError(f"shape mismatch: {tuple(tensors[0].shape)} vs {tuple(t.shape)}")
+    return [t[mask] for t in tensors]
+
+
+def _mean_rows(per_row: Tensor) -> Tensor:
+    return per_row.sum() / max(per_row.numel(), 1)
+
+
+def soft_cross_entropy(draft_logits: Tensor, teacher_probs: Tensor, mask: Tensor) -> Tensor:
+    """Mean over masked-in rows of -sum_v p_v log q_v. draft_logits, teacher_probs [B, T, Vd]; mask [B, T]."""
+    logits, p = _rows(mask, draft_logits, teacher_probs)  # [N, Vd]
+    return _mean_rows(-(p * _at_least_fp32(logits).log_softmax(-1)).sum(-1))
+
+
+def ttt_loss(
+    step_logits: Sequence[Tensor],
+    step_teachers: Sequence[Tensor],
+    step_masks: Sequence[Tensor],
+    decay: float = 0.8,
+) -> Tensor:
+    """EAGLE-3 training-time-test loss: sum_k decay^k * soft_cross_entropy(step k)."""
+    if not len(step_logits) == len(step_teachers) == len(step_masks) > 0:
+        raise ValueError(
+            f"need one teacher and one mask per step: got {len(step_logits)} logits, "
+            f"{len(step_teachers)} teachers, {len(step_masks)} masks"
+        )
+    return sum(
+        decay**k * soft_cross_entropy(logits, teacher, mask)
+        for k, (logits, teacher, mask) in enumerate(
+            zip(step_logits, step_teachers, step_masks, strict=True)
+        )
+    )
+
+
+def _forward_kl_rows(logits: Tensor, p: Tensor) -> Tensor:
+    # xlogy gives 0 log 0 = 0 where the teacher has no mass.
+    return (torch.xlogy(p, p) - p * _at_least_fp32(logits).log_softmax(-1)).sum(-1)
+
+
+def _reverse_kl_rows(logits: Tensor, p: Tensor) -> Tensor:
+    logq = _at_least_fp32(logits).log_softmax(-1)
+    # Where p underflows to 0 the exact value is infinite; the clamp keeps it finite and large.
+    logp = p.clamp_min(torch.finfo(p.dtype).tiny).log()
+    return (logq.exp() * (logq - logp)).sum(-1)
+
+
+def forward_kl(draft_logits: Tensor, teacher_probs: Tensor, mask: Tensor) -> Tensor:
+    """Mean KL(p || q) over masked-in rows (mass-covering; = soft CE minus the teacher's entropy)."""
+    logits, p = _rows(mask, draft_logits, teacher_probs)
+    return _mean_rows(_forward_kl_rows(logits, p))
+
+
+def reverse_kl(draft_logits: Tensor, teacher_probs: Tensor, mask: Tensor) -> Tensor:
+    """Exact mean KL(q || p) over the draft vocab (mode-seeking). p must be normalised on the draft
+    vocab (teacher_draft_probs with renormalize=True) and temperature > 0, else the KL is infinite."""
+    logits, p = _rows(mask, draft_logits, teacher_probs)
+    return _mean_rows(_reverse_kl_rows(logits, p))
+
+
+def reverse_kl_sampled(
+    logq_of_sample: Tensor,
+    logp_of_sample: Tensor,
+    mask: Tensor,
+    estimator: Literal["k1", "k3"] = "k1",
+    gradient: Literal["score", "pathwise"] = "score",
+) -> Tensor:
+    """Single-sample estimate of KL(q || p) from tokens x ~ q: inputs are log q(x), log p(x) [B, T].
+
+    Values (both unbiased for KL(q || p) under x ~ q, when p is supported inside q's support):
+      k1 = log q - log p: can be negative per token, high variance.
+      k3 = (r - 1) - log r, r = p/q: never negative, lower variance.
+    Gradients w.r.t. the drafter (x is a sample, so it carries no gradient itself):
+      "pathwise" differentiates the estimator as written. For k1 that is grad log q(x), whose
+        expectation under q is 0: pure noise. For k3 it is (1 - r) grad log q(x), whose expectation
+        is grad KL(p || q): the FORWARD KL's gradient, not the reverse one.
+      "score" (default) keeps the chosen estimator's value but gives the score-function gradient
+        sg(log q - log p) * grad log q(x), unbiased for grad KL(q || p) (on-policy distillation).
+    """
+    if estimator not in ("k1", "k3"):
+        raise ValueError(f"estimator must be 'k1' or 'k3', got {estimator!r}")
+    if gradient not in ("score", "pathwise"):
+        raise ValueError(f"gradient must be 'score' or 'pathwise', got {gradient!r}")
+    _check_mask(mask, logq_of_sample.shape, "reverse_kl_sampled")
+    if logp_of_sample.shape != logq_of_sample.shape:
+        raise ValueError(
+            f"log p {tuple(logp_of_sample.shape)} and log q {tuple(logq_of_sample.shape)} differ"
+        )
+    logq, logp = _at_least_fp32(logq_of_sample[mask]), _at_least_fp32(logp_of_sample[mask])  # [N]
+    log_r = logp - logq
+    value = -log_r if estimator == "k1" else log_r.exp() - 1 - log_r
+    if gradient == "score":
+        value = value.detach() + (logq - logq.detach()) * (-log_r).detach()
+    return _mean_rows(value)
+
+
+def acceptance_rate(q: Tensor, p: Tensor) -> Tensor:
+    """alpha = sum_v min(p_v, q_v) [..]: the chance a draft x ~ q survives verification against p."""
+    if q.shape != p.shape:
+        raise ValueError(f"q {tuple(q.shape)} and p {tuple(p.shape)} must be over the same vocab")
+    return torch.minimum(q, p).sum(-1)
+
+
+def total_variation(q_full: Tensor, p_full: Tensor) -> Tensor:
+    """TV(p, q) = 1 - alpha per position [..]. Both over the same support: the full target vocab, or
+    the draft vocab with p = teacher_draft_probs(.., renormalize=False) (q is 0 outside it anyway)."""
+    return 1 - acceptance_rate(q_full, p_full)
+
+
+def draft_opd_loss(
+    draft_logits: Tensor,
+    teacher_probs: Tensor,
+    accepted: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float = 0.8,
+    lambda_accept: float = 1.0,
+    lambda_reject: float = 1.0,
+) -> Tensor:
+    """Draft-OPD on replayed blocks: forward KL on accepted drafts + gamma^k-decayed reverse KL on rejected.
+
+    draft_logits, teacher_probs [B, K, Vd] (block position k = 0..K-1, teacher renormalised on the
+    draft vocab); accepted, mask [B, K] bool. Accepted positions pull q to cover p (forward KL);
+    rejected ones push q's mass off tokens p does not want (reverse KL), weighted gamma^k so early
+    errors, which cut the accepted length most, dominate. One mean over all masked-in positions
+    keeps the accepted/rejected balance the data's.
+    """
+    _check_mask(accepted, mask.shape, "accepted")
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [B, K, Vd], got {tuple(draft_logits.shape)}")
+    K = draft_logits.shape[1]
+    weights = gamma ** torch.arange(K, device=draft_logits.device, dtype=torch.float32)  # [K]
+    weights = weights.expand(mask.shape)
+    fkl_rows = _forward_kl_rows(*_rows(mask & accepted, draft_logits, teacher_probs))
+    rkl_rows = _reverse_kl_rows(*_rows(mask & ~accepted, draft_logits, teacher_probs))
+    total = (
+        lambda_accept * fkl_rows.sum()
+        + lambda_reject * (weights[mask & ~accepted] * rkl_rows).sum()
+    )
+    return total / max(int(mask.sum()), 1)
+
+
+def expected_accepted_length(alphas: Tensor, mask: Tensor | None = None) -> Tensor:
+    """sum_k prod_{i<=k} alpha_i per row [B] for alphas [B, K]; maximise it (loss = -mean).
+
+    `mask` [B, K] must be a prefix mask (valid positions first): positions past the replayed block
+    contribute nothing and get no gradient.
+    """
+    if mask is None:
+        mask = torch.ones_like(alphas, dtype=torch.bool)
+    _check_mask(mask, alphas.shape, "expected_accepted_length")
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError("mask must be a prefix mask per row (True positions first, then False)")
+    # The product runs over 1 (not 0) at masked positions so no gradient path crosses them.
+    kept = torch.where(mask, alphas, torch.ones_like(alphas))
+    return (torch.cumprod(kept, dim=-1) * mask).sum(-1)
+
+
+def tau_from_alphas(alphas: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Expected tokens per target forward, tau = 1 + sum_k prod_{i<=k} alpha_i, per row [B]."""
+    return 1 + expected_accepted_length(alphas, mask)

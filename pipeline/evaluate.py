@@ -1,0 +1,143 @@
+"""Stage `evaluate`: speculative decoding on held-out prompts; τ, n-α and wall-clock speed-up.
+
+Consumes `prompts` (the held-out split by default) and a drafter (`sft` or `opd`), with the
+target. Produces `eval`: `steps.parquet` (one row per verify step: sequence, step, anchor,
+drafted, accepted, emitted), `drafts.parquet` (one row per drafted token: offset, token, q, p,
+accept probability, outcome, the target's token) and, in the manifest's meta, the headline
+numbers: τ (mean of accepted + 1 per verify step, the EAGLE/vLLM convention), α per offset
+(acceptance given the offset was reached), target forwards per emitted token, and tokens/s of
+speculative decoding against plain target decoding timed in the same run on the same prompts.
+At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`).
+
+Not resumable mid-way (one pass); wall-clock numbers vary between runs, so re-running a
+version is skipped unless forced.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import polars as pl
+import pyarrow as pa
+import torch
+from pydantic import Field
+
+from models.speculative import SpecConfig, speculative_generate, target_generate
+from pipeline.config import StrictConfig, runtime_field
+from pipeline.drafters import load_drafter_dataset
+from pipeline.runner import RunContext
+from storage import Dataset, DatasetWriter, OpdError
+
+OUTPUT = "eval"
+STAGE = "evaluate"
+VERSION = "1"
+INPUTS = ("prompts", "drafter")
+USES_TARGET = True
+
+
+class Config(StrictConfig):
+    split: Literal["train", "heldout"] = "heldout"
+    max_prompts: int = Field(64, ge=1)
+    k: int = Field(6, ge=1)
+    """Drafted tokens per verify step (EAGLE-3 serving default range is 3-8)."""
+    temperature: float = Field(0.0, ge=0.0)
+    max_new_tokens: int = Field(128, ge=1)
+    batch_size: int = Field(8, ge=1)
+    seed: int = 0
+    measure_baseline: bool = runtime_field(True, "time plain target decoding for the speed-up")
+
+
+def _prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
+    rows = (
+        prompts.scan()
+        .filter(pl.col("split") == cfg.split)
+        .head(cfg.max_prompts)
+        .select("prompt_ids")
+        .collect()["prompt_ids"]
+        .to_list()
+    )
+    if not rows:
+        raise OpdError(f"{prompts.ref} has no {cfg.split!r} prompts to evaluate on")
+    return rows
+
+
+def evaluate(target, drafter, prompts: list[list[int]], cfg: Config, progress: bool = False) -> dict:
+    """Run both decoders over `prompts` in batches; return merged records, steps and stats."""
+    from tqdm import tqdm
+
+    spec_cfg = SpecConfig(k=cfg.k, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    records: dict[str, list] = {}
+    steps: dict[str, list] = {}
+    spec_tokens = base_tokens = 0
+    spec_s = base_s = 0.0
+    target_fwd = drafter_fwd = 0
+    mismatches = 0
+    target_s = drafter_s = 0.0
+    for b in tqdm(range(0, len(prompts), cfg.batch_size), desc="evaluate", disable=not progress):
+        batch = prompts[b : b + cfg.batch_size]
+        t0 = time.perf_counter()
+        res = speculative_generate(target, drafter, batch, spec_cfg)
+        spec_s += time.perf_counter() - t0
+        spec_tokens += sum(len(s) for s in res.sequences)
+        target_fwd += res.stats["verify_steps"]
+        target_s += res.stats["target_forward_seconds"]
+        drafter_s += res.stats["drafter_forward_seconds"]
+        drafter_fwd += res.stats["drafter_forwards"]
+        for cols, out in ((res.records, records), (res.steps, steps)):
+            for key, values in cols.items():
+                if key == "sequence":
+                    values = [v + b for v in values]
+                out.setdefault(key, []).extend(values)
+        if cfg.measure_baseline:
+            t0 = time.perf_counter()
+            base = target_generate(target, batch, cfg.max_new_tokens, cfg.temperature, cfg.seed)
+            base_s += time.perf_counter() - t0
+            base_tokens += sum(len(s) for s in base.sequences)
+            if cfg.temperature == 0:
+                mismatches += sum(a != b for a, b in zip(res.sequences, base.sequences, strict=True))
+    step_df = pl.DataFrame(steps)
+    draft_df = pl.DataFrame(records)
+    tau = float((step_df["accepted"] + 1).mean())
+    alpha = (
+        draft_df.filter(pl.col("outcome") != "not_reached")
+        .group_by("offset")
+        .agg((pl.col("outcome") == "accepted").mean().alias("alpha"))
+        .sort("offset")["alpha"]
+        .to_list()
+    )
+    stats = {
+        "tau": tau,
+        "alpha": alpha,
+        "k": cfg.k,
+        "temperature": cfg.temperature,
+        "prompts": len(prompts),
+        "verify_steps": step_df.height,
+        "emitted_tokens": int(step_df["emitted"].sum()),
+        "target_forwards_per_token": step_df.height / max(1, int(step_df["emitted"].sum())),
+        "tokens_per_s": spec_tokens / spec_s,
+        "decode_overhead_share": 1 - (target_s + drafter_s) / spec_s,
+    }
+    if cfg.measure_baseline:
+        stats["baseline_tokens_per_s"] = base_tokens / base_s
+        stats["speedup"] = stats["tokens_per_s"] / stats["baseline_tokens_per_s"]
+        if cfg.temperature == 0:
+            stats["lossless_t0"] = mismatches == 0
+    return {"steps": step_df, "drafts": draft_df, "stats": stats}
+
+
+def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: int, world_size: int, ctx: RunContext) -> dict:
+    if world_size != 1:
+        raise OpdError("evaluate runs as one worker (it times decoding); use world_size=1")
+    target = ctx.target_loader.target
+    drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity)
+    prompts = _prompt_ids(inputs["prompts"], cfg)
+    torch.manual_seed(cfg.seed)
+    out = evaluate(target, drafter, prompts, cfg, progress=ctx.progress)
+    output.write_parquet("steps.parquet", out["steps"].to_arrow())
+    output.write_parquet("drafts.parquet", out["drafts"].to_arrow())
+    stats = out["stats"]
+    alpha = " ".join(f"{a:.2f}" for a in stats["alpha"])
+    speed = f", {stats['speedup']:.2f}x plain decoding" if "speedup" in stats else ""
+    print(f"[evaluate] tau={stats['tau']:.3f} alpha=[{alpha}] T={cfg.temperature} K={cfg.k}{speed}")
+    return stats | {"drafter": str(inputs["drafter"].ref)}

@@ -1,0 +1,298 @@
+"""Losses against brute-force / torch.nn.functional references, masking, and gradient checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.drafter import DraftVocab
+from models.losses import (
+    acceptance_rate,
+    draft_opd_loss,
+    draft_to_target_probs,
+    expected_accepted_length,
+    forward_kl,
+    masked_mean,
+    reverse_kl,
+    reverse_kl_sampled,
+    soft_cross_entropy,
+    tau_from_alphas,
+    teacher_draft_probs,
+    total_variation,
+    ttt_loss,
+)
+
+V, VD, B, T = 12, 7, 2, 5
+
+
+@pytest.fixture
+def vocab() -> DraftVocab:
+    return DraftVocab.from_counts(torch.tensor([3, 9, 1, 4, 4, 8, 0, 7, 2, 6, 5, 1]), VD)
+
+
+def random_inputs(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, VD, generator=g) * 2).to(dtype)
+    teacher = (torch.randn(B, T, VD, generator=g) * 2).softmax(-1).to(dtype)
+    mask = torch.rand(B, T, generator=g) > 0.4
+    mask[0, 0] = True
+    mask[1, -1] = False
+    return logits, teacher, mask
+
+
+def check_masked_rows_change_nothing(loss_fn, logits, *others, mask):
+    """Garbage (even NaN) in masked rows changes neither the loss nor any gradient."""
+    logits = logits.clone().requires_grad_(True)
+    loss = loss_fn(logits, *others, mask)
+    (grad,) = torch.autograd.grad(loss, logits)
+    dirty = logits.detach().clone()
+    dirty[~mask] = float("nan")
+    dirty.requires_grad_(True)
+    dirty_loss = loss_fn(dirty, *others, mask)
+    (dirty_grad,) = torch.autograd.grad(dirty_loss, dirty)
+    assert torch.equal(dirty_loss, loss)
+    assert torch.equal(dirty_grad, grad)
+    assert (grad[~mask] == 0).all() and grad[mask].abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- teachers
+
+
+def test_teacher_restricted_and_renormalised(vocab):
+    torch.manual_seed(0)
+    target_logits = torch.randn(B, T, V) * 3
+    ids = vocab.draft_to_target_ids
+    for temperature in (1.0, 0.5):
+        p = (target_logits / temperature).softmax(-1)
+        got = teacher_draft_probs(target_logits, vocab, temperature)
+        torch.testing.assert_close(got, p[..., ids] / p[..., ids].sum(-1, keepdim=True))
+        mass = teacher_draft_probs(target_logits, vocab, temperature, renormalize=False)
+        torch.testing.assert_close(mass, p[..., ids])
+        assert (mass.sum(-1) < 1).all()
+
+
+def test_teacher_greedy_is_one_hot(vocab):
+    target_logits = torch.full((1, V), -5.0)
+    target_logits[0, 0] = 5.0  # argmax 0 is outside the draft vocab...
+    target_logits[0, 5] = 4.0  # ...5 is the best inside it (draft id 3)
+    restricted = teacher_draft_probs(target_logits, vocab, 0.0)
+    assert restricted.tolist() == [[0, 0, 0, 1, 0, 0, 0]]
+    assert teacher_draft_probs(target_logits, vocab, 0.0, renormalize=False).sum() == 0
+    with pytest.raises(ValueError, match="12-token target vocab"):
+        teacher_draft_probs(torch.zeros(1, V + 1), vocab)
+
+
+# ----------------------------------------------------------------------------- cross-entropy / KL
+
+
+def test_soft_cross_entropy_matches_torch_and_brute_force():
+    logits, teacher, mask = random_inputs()
+    got = soft_cross_entropy(logits, teacher, mask)
+    torch.testing.assert_close(got, F.cross_entropy(logits[mask], teacher[mask]))
+    rows = [
+        -sum(teacher[b, t, v] * math.log(logits[b, t].softmax(-1)[v]) for v in range(VD))
+        for b in range(B)
+        for t in range(T)
+        if mask[b, t]
+    ]
+    torch.testing.assert_close(got, torch.stack(rows).mean())
+
+
+def test_ttt_loss_weights_steps_by_decay():
+    steps = [random_inputs(seed) for seed in range(3)]
+    got = ttt_loss([s[0] for s in steps], [s[1] for s in steps], [s[2] for s in steps], decay=0.8)
+    want = sum(0.8**k * F.cross_entropy(lg[m], tc[m]) for k, (lg, tc, m) in enumerate(steps))
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="one teacher and one mask per step"):
+        ttt_loss([steps[0][0]], [], [steps[0][2]])
+
+
+def test_forward_and_reverse_kl_match_references():
+    logits, teacher, mask = random_inputs()
+    logq = logits.log_softmax(-1)
+    torch.testing.assert_close(
+        forward_kl(logits, teacher, mask),
+        F.kl_div(logq[mask], teacher[mask], reduction="batchmean"),
+    )
+    q = logq.exp()
+    brute = (q * (logq - teacher.log())).sum(-1)[mask].mean()
+    torch.testing.assert_close(reverse_kl(logits, teacher, mask), brute)
+    torch.testing.assert_close(
+        reverse_kl(logits, teacher, mask),
+        F.kl_div(teacher.log()[mask], q[mask], reduction="batchmean"),
+    )
+
+
+@pytest.mark.parametrize("loss_fn", [soft_cross_entropy, forward_kl, reverse_kl])
+def test_masked_rows_change_nothing_and_gradcheck(loss_fn):
+    logits, teacher, mask = random_inputs()
+    check_masked_rows_change_nothing(loss_fn, logits, teacher, mask=mask)
+    logits64, teacher64, _ = random_inputs(dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda x: loss_fn(x, teacher64, mask), logits64.requires_grad_(True)
+    )
+
+
+def test_empty_mask_gives_connected_zero():
+    logits, teacher, _ = random_inputs()
+    logits.requires_grad_(True)
+    loss = soft_cross_entropy(logits, teacher, torch.zeros(B, T, dtype=torch.bool))
+    loss.backward()
+    assert loss.item() == 0 and (logits.grad == 0).all()
+    with pytest.raises(TypeError, match="must be bool"):
+        masked_mean(torch.ones(3), torch.ones(3))
+
+
+# ----------------------------------------------------------------------------- sampled reverse KL
+
+
+def exact_expectations(estimator, gradient):
+    """E_{x~q}[value] and E_{x~q}[grad], enumerating every token x with weight q(x)."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(VD, generator=g, dtype=torch.float64).requires_grad_(True)
+    logp = (torch.randn(VD, generator=g, dtype=torch.float64) * 2).log_softmax(-1)
+    logq = z.log_softmax(-1)
+    q = logq.exp().detach()
+    one = torch.ones(1, 1, dtype=torch.bool)
+    value, grad = 0.0, torch.zeros(VD, dtype=torch.float64)
+    for x in range(VD):
+        loss = reverse_kl_sampled(logq[x].view(1, 1), logp[x].view(1, 1), one, estimator, gradient)
+        value = value + q[x] * loss.detach()
+        grad = grad + q[x] * torch.autograd.grad(loss, z, retain_graph=True)[0]
+    reverse = (logq.exp() * (logq - logp)).sum()
+    forward = (logp.exp() * (logp - logq)).sum()
+    return value, grad, reverse, forward, z
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_sampled_reverse_kl_is_unbiased_with_score_gradient(estimator):
+    value, grad, reverse, _, z = exact_expectations(estimator, "score")
+    torch.testing.assert_close(value, reverse.detach())
+    torch.testing.assert_close(grad, torch.autograd.grad(reverse, z)[0])
+
+
+def test_pathwise_gradients_are_what_the_docstring_says():
+    _, grad_k1, _, _, _ = exact_expectations("k1", "pathwise")
+    torch.testing.assert_close(grad_k1, torch.zeros_like(grad_k1))  # zero-mean: no signal
+    _, grad_k3, _, forward, z = exact_expectations("k3", "pathwise")
+    torch.testing.assert_close(grad_k3, torch.autograd.grad(forward, z)[0])  # forward KL's gradient
+
+
+def test_k3_is_never_negative_and_masks_rows():
+    g = torch.Generator().manual_seed(0)
+    logq = torch.randn(B, T, generator=g) - 2
+    logp = torch.randn(B, T, generator=g) - 2
+    mask = torch.ones(B, T, dtype=torch.bool)
+    single = torch.eye(B * T, dtype=torch.bool).view(-1, B, T)
+    assert all(reverse_kl_sampled(logq, logp, m, "k3") >= 0 for m in single)
+    assert any(reverse_kl_sampled(logq, logp, m, "k1") < 0 for m in single)
+    mask[1] = False
+    want = (logq - logp)[0].mean()
+    dirty = logq.clone()
+    dirty[1] = float("nan")
+    torch.testing.assert_close(reverse_kl_sampled(dirty, logp, mask, "k1"), want)
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+def test_total_variation_is_one_minus_alpha_against_full_target(vocab):
+    torch.manual_seed(1)
+    target_logits = torch.randn(B, T, V) * 2
+    q = (torch.randn(B, T, VD) * 2).softmax(-1)
+    p_full = target_logits.softmax(-1)
+    q_full = draft_to_target_probs(q, vocab)
+    assert (
+        torch.equal(q_full[..., vocab.draft_to_target_ids], q)
+        and (q_full.sum(-1) - 1).abs().max() < 1e-6
+    )
+    tv = total_variation(q_full, p_full)
+    torch.testing.assert_close(tv, 0.5 * (p_full - q_full).abs().sum(-1))
+    # On the draft support with the FULL p's mass (not renormalised) alpha is the same number.
+    mass = teacher_draft_probs(target_logits, vocab, renormalize=False)
+    torch.testing.assert_close(acceptance_rate(q, mass), 1 - tv)
+    mask = torch.tensor([[True, False, True, True, False], [False] * 5])
+    torch.testing.assert_close(masked_mean(tv, mask), tv[0, [0, 2, 3]].mean())
+    renormalised = teacher_draft_probs(target_logits, vocab)
+    assert (acceptance_rate(q, renormalised) > acceptance_rate(q, mass)).all()
+
+
+def test_expected_accepted_length_and_tau_brute_force():
+    g = torch.Generator().manual_seed(2)
+    alphas = torch.rand(3, 4, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    want = []
+    for b in range(3):
+        total, prod = 0.0, 1.0
+        for k in range(4):
+            if not mask[b, k]:
+                break
+            prod *= alphas[b, k].item()
+            total += prod
+        want.append(total)
+    got = expected_accepted_length(alphas, mask)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64))
+    torch.testing.assert_close(tau_from_alphas(alphas, mask), 1 + got)
+    torch.testing.assert_close(tau_from_alphas(torch.ones(1, 5)), torch.tensor([6.0]))
+    # Masked alphas change nothing, including the gradient; gradcheck the rest.
+    a = alphas.clone().requires_grad_(True)
+    (-expected_accepted_length(a, mask).mean()).backward()
+    assert (a.grad[~mask] == 0).all() and (a.grad[mask] != 0).all()
+    other = alphas.clone()
+    other[~mask] = 0.123
+    torch.testing.assert_close(expected_accepted_length(other, mask), got)
+    assert torch.autograd.gradcheck(
+        lambda x: expected_accepted_length(x, mask), alphas.clone().requires_grad_(True)
+    )
+    with pytest.raises(ValueError, match="prefix mask"):
+        expected_accepted_length(alphas, torch.tensor([[1, 0, 1, 1]] * 3, dtype=torch.bool))
+
+
+def test_alpha_gradient_flows_through_tv_into_drafter_logits(vocab):
+    torch.manual_seed(4)
+    p_mass = teacher_draft_probs(torch.randn(1, 3, V) * 2, vocab, renormalize=False).double()
+    logits = torch.randn(1, 3, VD, dtype=torch.float64, requires_grad=True)
+
+    def objective(x):
+        return -expected_accepted_length(acceptance_rate(x.softmax(-1), p_mass)).mean()
+
+    assert torch.autograd.gradcheck(objective, logits)
+
+
+# ----------------------------------------------------------------------------- Draft-OPD
+
+
+def test_draft_opd_loss_matches_brute_force_and_masks():
+    logits, teacher, mask = random_inputs()
+    g = torch.Generator().manual_seed(9)
+    accepted = torch.rand(B, T, generator=g) > 0.5
+    accepted[0, 0], accepted[0, 1] = True, False
+    mask[0, 1] = True
+    got = draft_opd_loss(
+        logits, teacher, accepted, mask, gamma=0.8, lambda_accept=0.7, lambda_reject=1.3
+    )
+    total = 0.0
+    for b in range(B):
+        for k in range(T):
+            if not mask[b, k]:
+                continue
+            q, p = logits[b, k].softmax(-1), teacher[b, k]
+            if accepted[b, k]:
+                total += 0.7 * (p * (p / q).log()).sum()
+            else:
+                total += 1.3 * 0.8**k * (q * (q / p).log()).sum()
+    torch.testing.assert_close(got, total / mask.sum())
+
+    def loss_fn(x, t, m):
+        return draft_opd_loss(x, t, accepted, m)
+
+    check_masked_rows_change_nothing(loss_fn, logits, teacher, mask=mask)
+    logits64, teacher64, _ = random_inputs(dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda x: loss_fn(x, teacher64, mask), logits64.requires_grad_(True)
+    )
+    with pytest.raises(TypeError, match="accepted mask must be bool"):
+        draft_opd_loss(logits, teacher, accepted.float(), mask)
