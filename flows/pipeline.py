@@ -7,8 +7,6 @@ remembers a result whose files may be gone. Task runs are named `<step>:<NAME@VE
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -59,7 +57,6 @@ def opd_pipeline(
     chain: str = "full",
     run_name: str = "default",
     root: str | None = None,
-    **unknown: Any,
 ) -> dict[str, str]:
     """The whole pipeline (or `chain`), as Prefect tasks.
 
@@ -67,11 +64,6 @@ def opd_pipeline(
     OPD rounds; stages: steps to recompute on cached inputs (e.g. ["score-r1"]; what depends
     on them is recomputed only if its inputs changed); root: the data root (default OPD_HOME).
     """
-    if unknown:
-        raise OpdError(
-            f"unknown parameter(s) {sorted(unknown)}; parameters: profile, overrides, rounds, "
-            "stages, chain, run_name, root"
-        )
     if chain not in CHAINS:
         raise OpdError(f"unknown chain {chain!r}; chains: {', '.join(CHAINS)}")
     sets = list(overrides or []) + ([f"rounds={rounds}"] if rounds is not None else [])

@@ -187,6 +187,82 @@ def run_cmd(store: Store, stage: str, profile: str, config_file: Path | None, se
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
 
 
+def _loader(profile: str, sets: tuple[str, ...]):
+    from pipeline.profiles import load_config
+    from pipeline.targets import TargetLoader
+
+    cfg = load_config(profile, None, list(sets))
+    return cfg, TargetLoader(cfg.target)
+
+
+@cli.command("eval")
+@click.option("--drafter", "drafter_ref", default="sft@latest", show_default=True, help="An sft or opd dataset.")
+@click.option("--prompts", "prompts_ref", default="prompts@latest", show_default=True)
+@click.option("--k", type=int, default=None, help="Drafted tokens per verify step [profile: evaluate.k].")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature [profile: evaluate.temperature].")
+@click.option("--profile", default="default", show_default=True)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.option("--force", is_flag=True, help="Re-measure even if this evaluation exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
+@click.pass_obj
+def eval_cmd(store: Store, drafter_ref: str, prompts_ref: str, k: int | None, temperature: float | None,
+             profile: str, sets: tuple[str, ...], force: bool, as_json: bool) -> None:
+    """Measure τ, per-position acceptance and speed-up of a drafter on held-out prompts."""
+    from pipeline import evaluate
+    from pipeline.runner import RunContext, run_stage
+
+    extra = ([f"evaluate.k={k}"] if k is not None else []) + (
+        [f"evaluate.temperature={temperature}"] if temperature is not None else []
+    )
+    cfg, loader = _loader(profile, sets + tuple(extra))
+    ctx = RunContext(store=store, target_loader=loader, progress=not as_json)
+    if not as_json:
+        _setup_logging()
+    inputs = {"prompts": store.open(prompts_ref), "drafter": store.open(drafter_ref)}
+    res = run_stage(evaluate, cfg.evaluate, inputs, ctx, force=force)
+    stats = {k2: v for k2, v in res.dataset.meta.items()} | {"eval": str(res.ref)}
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+    else:
+        alpha = " ".join(f"{a:.3f}" for a in stats["alpha"])
+        click.echo(f"{res.ref}  drafter={stats['drafter']}  K={stats['k']} T={stats['temperature']}")
+        click.echo(f"  tau {stats['tau']:.3f}   alpha by offset [{alpha}]")
+        click.echo(f"  target forwards per token {stats['target_forwards_per_token']:.4f}")
+        if "speedup" in stats:
+            click.echo(f"  {stats['tokens_per_s']:.1f} tok/s vs {stats['baseline_tokens_per_s']:.1f} plain ({stats['speedup']:.2f}x)")
+
+
+@cli.command("export")
+@click.option("--drafter", "drafter_ref", default="sft@latest", show_default=True, help="An sft or opd dataset.")
+@click.option("--format", "fmt", type=click.Choice(["eagle3", "speculators"]), default="eagle3", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory to write.")
+@click.option("--k", type=int, default=6, show_default=True, help="num_speculative_tokens to serve with.")
+@click.option("--profile", default="default", show_default=True)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.pass_obj
+def export_cmd(store: Store, drafter_ref: str, fmt: str, out: Path, k: int, profile: str, sets: tuple[str, ...]) -> None:
+    """Write a drafter as a directory vLLM loads, and print the command that serves it."""
+    from pipeline.export import export_drafter
+
+    _, loader = _loader(profile, sets)
+    info = export_drafter(store.open(drafter_ref), loader, fmt, out, k)  # type: ignore[arg-type]
+    click.echo(f"exported {info['drafter']} as {fmt} to {info['path']} (round trip: identical logits)")
+    click.echo("serve it with:")
+    click.echo(f"  {info['vllm_command']}")
+
+
+@cli.command("serve")
+@click.pass_obj
+def serve_cmd(store: Store) -> None:
+    """Register and serve the Prefect deployments (opd-pipeline/full) with a running server.
+
+    Then: prefect deployment run opd-pipeline/full -p profile=tiny --watch
+    """
+    from flows.serve import serve
+
+    serve(str(store.root.resolve()))
+
+
 def main() -> None:
     cli()
 
