@@ -325,3 +325,23 @@ def test_manifest_lists_schema_with_tensor_dtype(tmp_path):
     m = json.loads(next(Path(tmp_path).glob("features/*/manifest.json")).read_text())
     assert m["schema"]["ipc"]["hidden"]["opd.dtype"] == "bfloat16"
     assert m["schema"]["parquet"]["x"]["type"] == "double"
+
+
+def test_sharded_writers_commit_only_when_every_rank_is_done(tmp_path):
+    store = Store(tmp_path)
+    kw = dict(stage="generate", stage_version="1", config={"n": 4})
+    writers = [store.writer("trajectories", rank=r, world_size=2, **kw) for r in range(2)]
+    assert writers[0].version == writers[1].version
+    with writers[0] as w0, writers[1] as w1:  # both ranks hold their own lock at once
+        w0.write_parquet("part-r0.parquet", pa.table({"x": [0, 1]}))
+        w1.write_parquet("part-r1.parquet", pa.table({"x": [2]}))
+        w0.rank_done()
+        with pytest.raises(OpdError, match=r"ranks \[1\] have not finished"):
+            w0.commit()
+        w1.rank_done()
+        ds = w1.commit()
+    assert ds.num_rows == 3 and [s["path"] for s in ds.manifest["shards"]] == [
+        "part-r0.parquet",
+        "part-r1.parquet",
+    ]
+    assert not [p for p in ds.path.iterdir() if p.name.startswith(".")]
