@@ -1,0 +1,57 @@
+"""A stage killed with SIGKILL mid-run resumes to the same bytes as an uninterrupted run."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline import features, generate
+from pipeline.runner import run_stage
+from storage import Store
+
+SETS = ["--set", "features.rows_per_shard=1", "--set", "features.batch_size=1"]
+
+
+def _opd(root: Path, *args: str) -> subprocess.Popen:
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "--root", str(root), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_features_killed_mid_run_resume_to_identical_checksums(tiny, tmp_path):
+    store, ctx, cfg, prompts = tiny
+    run_stage(generate, cfg.generate, {"prompts": prompts}, ctx)
+    crash_root = tmp_path / "crash"
+    shutil.copytree(store.root, crash_root)
+
+    ref = _opd(store.root, "run", "features", "--profile", "tiny", "--no-progress", *SETS)
+    out = ref.communicate(timeout=600)[0]
+    assert ref.returncode == 0, out
+    reference = Store(store.root).open("features@latest")
+
+    proc = _opd(crash_root, "run", "features", "--profile", "tiny", "--no-progress", *SETS)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if list(crash_root.glob("features/*/part-00002.arrow")):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the stage finished before it could be killed"
+    crashed = Store(crash_root)
+    assert [r["complete"] for r in crashed.listing("features")] == [False]
+
+    again = _opd(crash_root, "run", "features", "--profile", "tiny", "--no-progress", *SETS)
+    out = again.communicate(timeout=600)[0]
+    assert again.returncode == 0, out
+    assert "resuming" in out
+    resumed = crashed.open("features@latest")
+    assert resumed.ref == reference.ref
+    sums = lambda ds: {s["path"]: s["sha256"] for s in ds.manifest["shards"]}  # noqa: E731
+    assert sums(resumed) == sums(reference)
+    assert features.VOCAB_FILE in sums(resumed)
