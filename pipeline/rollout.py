@@ -1,0 +1,520 @@
+"""Stage 4, `rollout`: target-assisted speculative decoding with the current drafter, logged.
+
+Consumes `prompts` (one split) and a drafter (`sft` or `opd`), with the target. The target
+verifies every block, so the sequences are the target's own (token for token its greedy output
+at T=0) while the log records where the drafter failed. Produces `rollouts`, per shard i
+(`rows_per_shard` prompts, in prompt order; written by rank i % world_size):
+
+  sequences-{i:05d}.parquet   seq_id, prompt_id, input_ids (prompt + generated: exactly the
+                              decoder's tokens), prompt_len, loss_mask (1 on generated tokens),
+                              finish_reason (eos | length)
+  features-{i:05d}.arrow      the `features` stage's schema (seq_id, input_ids, loss_mask,
+                              aux_hidden [T, 3H] bf16, last_hidden [T, H] bf16), one target
+                              forward per batch, so sft/opd loaders read it unchanged
+  rejections-{i:05d}.parquet  the rejection log, one row per drafted token (REJECTIONS_SCHEMA)
+  steps-{i:05d}.parquet       one row per verify step: seq_id, step, anchor, drafted, accepted,
+                              emitted
+
+plus `draft_vocab.safetensors` copied unchanged from the drafter. Positions count from the first
+prompt token: a step's `anchor` is the position of its first draft, a draft's `position` is
+anchor + offset - 1. `confidence` is the drafter's max draft probability for that draft,
+max_v q_v with q = softmax(logits / T) (T = 1 when decoding greedily, where q is one-hot).
+The decoder does not expose it, so it is recomputed here by replaying each step's drafts
+through the drafter on the stored (bf16) features: it can differ from the decode-time value in
+the last digits. Acceptance by offset over the whole log is one polars query:
+
+    pl.scan_parquet(ds.path / "rejections-*.parquet")
+      .filter(pl.col("outcome") != "not_reached")
+      .group_by("offset").agg((pl.col("outcome") == "accepted").mean()).sort("offset")
+
+`run` (from ctx.extra["run_name"], default "default") is not part of the version: a dataset
+reused by another run keeps the name of the run that computed it.
+
+Manifest meta: tau (mean accepted + 1 per verify step), alpha per offset (acceptance given the
+offset was reached; None where never reached), the target's identity, the drafter ref, round.
+Resumes: shards whose four files are complete are skipped; a shard's sampling seed depends only
+on (seed, shard, batch), so any worker layout and any resume produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import polars as pl
+import pyarrow as pa
+import torch
+from pydantic import Field
+from torch import Tensor
+from tqdm import tqdm
+
+from models.drafter import DrafterCache, Eagle3Drafter
+from models.speculative import SpecConfig, speculative_generate
+from models.target import Target
+from pipeline.config import StrictConfig
+from pipeline.drafters import load_drafter_dataset
+from pipeline.features import VOCAB_FILE, feature_schema, forward_batch
+from pipeline.generate import select_prompts
+from pipeline.runner import RunContext
+from storage import Dataset, DatasetWriter, OpdError, tensor_array
+
+OUTPUT = "rollouts"
+STAGE = "rollout"
+VERSION = "1"
+INPUTS = ("prompts", "drafter")
+USES_TARGET = True
+
+log = logging.getLogger("opd")
+
+SEQUENCES_SCHEMA = pa.schema(
+    [
+        ("seq_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("prompt_len", pa.int32()),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("finish_reason", pa.string()),
+    ]
+)
+REJECTIONS_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("round", pa.int32()),
+        ("drafter", pa.string()),  # the drafter dataset ref, e.g. sft@0123456789ab
+        ("seq_id", pa.string()),
+        ("step", pa.int32()),  # verify step of the sequence, 0-based
+        ("anchor", pa.int32()),  # sequence position of the block's first draft
+        ("offset", pa.int32()),  # 1-based place in the block
+        ("position", pa.int32()),  # anchor + offset - 1: sequence position of this draft
+        ("token", pa.int32()),  # the drafted target token id
+        ("q", pa.float32()),  # draft probability of the token at the temperature (1 at T=0)
+        ("p", pa.float32()),  # target probability at the temperature (one-hot at T=0)
+        ("accept_prob", pa.float32()),  # min(1, p/q); 1/0 at T=0
+        ("outcome", pa.string()),  # accepted | rejected | not_reached
+        ("target_token", pa.int32()),  # what the target emitted there; -1 if not reached
+        ("k", pa.int32()),
+        ("temperature", pa.float32()),
+        ("confidence", pa.float32()),  # max_v q_v (see the module docstring)
+    ]
+)
+STEPS_SCHEMA = pa.schema(
+    [
+        ("seq_id", pa.string()),
+        ("step", pa.int32()),
+        ("anchor", pa.int32()),
+        ("drafted", pa.int32()),
+        ("accepted", pa.int32()),
+        ("emitted", pa.int32()),
+    ]
+)
+
+
+class Config(StrictConfig):
+    split: Literal["train", "heldout"] = "train"
+    max_prompts: int | None = Field(None, ge=1)
+    """Use the first N prompts of the split (None = all)."""
+    k: int = Field(6, ge=1)
+    """Drafted tokens per verify step; use the K the drafter will serve with."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Decoding temperature (0 = greedy); verify at the temperature the drafter will serve at."""
+    max_new_tokens: int = Field(128, ge=1)
+    batch_size: int = Field(8, ge=1)
+    seed: int = 0
+    round: int = Field(1, ge=1)
+    """Draft-OPD round; part of the version, so each round's rollout is its own dataset."""
+    rows_per_shard: int = Field(256, ge=1)
+
+
+@dataclass
+class Chains:
+    """K drafts from each of C anchors (see `replay_drafts`)."""
+
+    tokens: Tensor  # [C, K] int64 target ids
+    logq: Tensor  # [C, K] fp32 log q(token) at the temperature; 0 at T=0 (q is one-hot)
+    confidence: Tensor  # [C, K] fp32 max_v q_v, q at the temperature (at 1 when T = 0)
+
+
+@torch.no_grad()
+def replay_drafts(
+    drafter: Eagle3Drafter,
+    aux_hidden: Tensor,
+    input_ids: Tensor,
+    anchors: Tensor,
+    k: int,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    forced: Tensor | None = None,
+) -> Chains:
+    """Draft K tokens from each anchor e of one sequence, as the decoder would from prefix y<e.
+
+    aux_hidden [T, 3H_t] (target features of the sequence), input_ids [T], anchors [C] with
+    2 <= e <= T (repeat an anchor for several samples). One drafter pass runs the prefix rows
+    0..max(e)-2; chain c starts at row e_c - 2 and each later step runs all C chains as one
+    forward whose mask lets chain c see the prefix rows <= e_c - 2 and its own earlier chain keys.
+    T=0 drafts the argmax, T>0 samples q = softmax(logits / T) with `generator`. `forced` [C, K]
+    (target ids in the draft vocab) feeds given drafts instead, to score a logged block.
+    """
+    device = drafter.fc.weight.device
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)  # [T]
+    anchors = torch.as_tensor(anchors, dtype=torch.long, device=device).reshape(-1)  # [C]
+    T, C = ids.numel(), anchors.numel()
+    if aux_hidden.shape[0] != T:
+        raise ValueError(f"aux_hidden has {aux_hidden.shape[0]} rows for {T} tokens")
+    if C == 0 or k < 1:
+        raise ValueError(f"need at least one anchor and k >= 1, got {C} anchors and k={k}")
+    if int(anchors.min()) < 2 or int(anchors.max()) > T:
+        raise ValueError(
+            f"anchors must lie in [2, {T}] (anchor e needs drafter row e-2 and token e-1), "
+            f"got {anchors.min().item()}..{anchors.max().item()}"
+        )
+    vocab = drafter.vocab
+    if forced is not None:
+        forced = vocab.to_draft(torch.as_tensor(forced, dtype=torch.long, device=device))
+        if forced.shape != (C, k) or bool((forced < 0).any()):
+            raise ValueError(f"forced must be [C={C}, K={k}] target ids inside the draft vocab")
+
+    rows = anchors - 2  # [C]
+    width = int(rows.max()) + 1
+    cache = DrafterCache()
+    hidden = drafter.fuse(aux_hidden[:width].to(device)[None])  # [1, L, H]
+    positions = torch.arange(width, device=device)[None]  # [1, L]
+    logits, hidden_out = drafter(ids[None, 1 : width + 1], hidden, positions, cache=cache)
+    logits, hidden_out = logits[0, rows], hidden_out[:, rows]  # [C, Vd], [1, C, H]
+    prefix_visible = torch.arange(width, device=device)[None] <= rows[:, None]  # [C, L]
+    own = torch.eye(C, dtype=torch.bool, device=device)  # [C, C]: a chain sees only its own keys
+
+    tokens, logq, confidence = [], [], []
+    for j in range(k):
+        if j > 0:
+            mask = torch.cat([prefix_visible, own.repeat(1, j)], dim=1)[None]  # [1, C, L + C*j]
+            logits, hidden_out = drafter(
+                tokens[-1][None], hidden_out, (rows + j)[None], attention_mask=mask, cache=cache
+            )
+            logits = logits[0]  # [C, Vd]
+        log_q = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # [C, Vd]
+        if forced is not None:
+            draft = forced[:, j]
+        elif temperature == 0:
+            draft = logits.argmax(-1)
+        else:
+            draft = torch.multinomial(log_q.exp(), 1, generator=generator)[:, 0]
+        picked = log_q.gather(1, draft[:, None])[:, 0]
+        logq.append(picked if temperature > 0 else torch.zeros_like(picked))
+        confidence.append(log_q.max(-1).values.exp())
+        tokens.append(vocab.to_target(draft))  # [C]
+    return Chains(
+        tokens=torch.stack(tokens, 1),
+        logq=torch.stack(logq, 1),
+        confidence=torch.stack(confidence, 1),
+    )
+
+
+def shard_files(i: int) -> tuple[str, str, str, str]:
+    return (
+        f"sequences-{i:05d}.parquet",
+        f"features-{i:05d}.arrow",
+        f"rejections-{i:05d}.parquet",
+        f"steps-{i:05d}.parquet",
+    )
+
+
+def _seq_ids(prompts: list[dict]) -> list[str]:
+    """`{prompt_id}-{n}`, n counting earlier rows with the same prompt_id: unique per dataset."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        n = seen.get(p["prompt_id"], 0)
+        seen[p["prompt_id"]] = n + 1
+        out.append(f"{p['prompt_id']}-{n}")
+    return out
+
+
+def _merge_columns(out: dict[str, list], cols: dict[str, list], rows: list[int]) -> None:
+    """Append a batch's columnar log; its `sequence` (index into the batch) becomes a shard row."""
+    for name, values in cols.items():
+        if name == "sequence":
+            values = [rows[v] for v in values]
+        out.setdefault(name, []).extend(values)
+
+
+def _confidence(
+    drafter: Eagle3Drafter, aux: Tensor, ids: list[int], rec: dict[str, list], temperature: float
+) -> list[float]:
+    """Max draft probability of each logged draft of one sequence (`rec`: its records, in order)."""
+    blocks: dict[int, tuple[int, list[int]]] = {}
+    for step, anchor, token in zip(rec["step"], rec["anchor"], rec["token"], strict=True):
+        blocks.setdefault(step, (anchor, []))[1].append(token)
+    k = max(len(tokens) for _, tokens in blocks.values())
+    steps = sorted(blocks)
+    anchors = torch.tensor([blocks[s][0] for s in steps])
+    # Short blocks are padded with their last draft: the padded offsets are never read.
+    forced = torch.tensor([t + [t[-1]] * (k - len(t)) for _, t in (blocks[s] for s in steps)])
+    chains = replay_drafts(
+        drafter, aux, torch.tensor(ids), anchors, k, temperature=temperature, forced=forced
+    )
+    where = {s: j for j, s in enumerate(steps)}
+    return [
+        float(chains.confidence[where[s], o - 1])
+        for s, o in zip(rec["step"], rec["offset"], strict=True)
+    ]
+
+
+def rollout_shard(
+    target: Target, drafter: Eagle3Drafter, chunk: list[dict], shard: int, cfg: Config
+) -> dict[str, Any]:
+    """Decode one shard's prompts; return its sequences, features and logs as columns."""
+    order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]["prompt_ids"]))
+    generated: list[list[int]] = [[] for _ in chunk]
+    reasons = [""] * len(chunk)
+    records: dict[str, list] = {}
+    steps: dict[str, list] = {}
+    for b in range(0, len(order), cfg.batch_size):
+        idx = order[b : b + cfg.batch_size]
+        spec = SpecConfig(
+            k=cfg.k,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed * 1_000_003 + shard * 1_009 + b,
+        )
+        res = speculative_generate(
+            target, drafter, [list(chunk[j]["prompt_ids"]) for j in idx], spec
+        )
+        for j, seq, why in zip(idx, res.sequences, res.finish_reasons, strict=True):
+            generated[j], reasons[j] = seq, why
+        _merge_columns(records, res.records, idx)
+        _merge_columns(steps, res.steps, idx)
+    sequences = [list(p["prompt_ids"]) + g for p, g in zip(chunk, generated, strict=True)]
+
+    aux_rows: list[torch.Tensor | None] = [None] * len(chunk)
+    last_rows: list[torch.Tensor | None] = [None] * len(chunk)
+    by_length = sorted(range(len(chunk)), key=lambda j: len(sequences[j]))
+    for b in range(0, len(by_length), cfg.batch_size):
+        idx = by_length[b : b + cfg.batch_size]
+        aux, last = forward_batch(target, [sequences[j] for j in idx])
+        for r, j in enumerate(idx):
+            n = len(sequences[j])
+            aux_rows[j], last_rows[j] = aux[r, :n], last[r, :n]
+
+    # Records come grouped by batch; the log is written per sequence, in step and offset order.
+    n_rec = len(records.get("sequence", []))
+    rec_order = sorted(
+        range(n_rec),
+        key=lambda r: (records["sequence"][r], records["step"][r], records["offset"][r]),
+    )
+    records = {name: [v[r] for r in rec_order] for name, v in records.items()}
+    step_order = sorted(
+        range(len(steps.get("sequence", []))),
+        key=lambda r: (steps["sequence"][r], steps["step"][r]),
+    )
+    steps = {name: [v[r] for r in step_order] for name, v in steps.items()}
+    confidence: list[float] = []
+    for j, group in itertools.groupby(range(n_rec), key=lambda r: records["sequence"][r]):
+        rows = list(group)
+        one = {name: v[rows[0] : rows[-1] + 1] for name, v in records.items()}
+        confidence += _confidence(drafter, aux_rows[j], sequences[j], one, cfg.temperature)
+    return {
+        "sequences": sequences,
+        "generated": generated,
+        "reasons": reasons,
+        "aux": aux_rows,
+        "last": last_rows,
+        "records": records,
+        "confidence": confidence,
+        "steps": steps,
+    }
+
+
+def _write_shard(
+    output: DatasetWriter,
+    i: int,
+    chunk: list[dict],
+    seq_ids: list[str],
+    out: dict,
+    cfg: Config,
+    run_name: str,
+    drafter_ref: str,
+    hidden: int,
+) -> None:
+    seq_file, feat_file, rej_file, steps_file = shard_files(i)
+    masks = [
+        [0] * len(p["prompt_ids"]) + [1] * len(g)
+        for p, g in zip(chunk, out["generated"], strict=True)
+    ]
+    output.write_parquet(
+        seq_file,
+        pa.Table.from_pydict(
+            {
+                "seq_id": seq_ids,
+                "prompt_id": [p["prompt_id"] for p in chunk],
+                "input_ids": out["sequences"],
+                "prompt_len": [len(p["prompt_ids"]) for p in chunk],
+                "loss_mask": masks,
+                "finish_reason": out["reasons"],
+            },
+            schema=SEQUENCES_SCHEMA,
+        ),
+    )
+    schema = feature_schema(hidden)
+    output.write_ipc(
+        feat_file,
+        pa.table(
+            [
+                pa.array(seq_ids, pa.string()),
+                pa.array(out["sequences"], pa.list_(pa.int32())),
+                pa.array(masks, pa.list_(pa.int8())),
+                tensor_array(out["aux"], schema.field("aux_hidden")),
+                tensor_array(out["last"], schema.field("last_hidden")),
+            ],
+            schema=schema,
+        ),
+    )
+    rec = out["records"]
+    n = len(rec.get("sequence", []))
+    output.write_parquet(
+        rej_file,
+        pa.Table.from_pydict(
+            {
+                "run": [run_name] * n,
+                "round": [cfg.round] * n,
+                "drafter": [drafter_ref] * n,
+                "seq_id": [seq_ids[s] for s in rec.get("sequence", [])],
+                "step": rec.get("step", []),
+                "anchor": rec.get("anchor", []),
+                "offset": rec.get("offset", []),
+                "position": [
+                    a + o - 1
+                    for a, o in zip(rec.get("anchor", []), rec.get("offset", []), strict=True)
+                ],
+                "token": rec.get("token", []),
+                "q": rec.get("q", []),
+                "p": rec.get("p", []),
+                "accept_prob": rec.get("accept_prob", []),
+                "outcome": rec.get("outcome", []),
+                "target_token": rec.get("target_token", []),
+                "k": [cfg.k] * n,
+                "temperature": [cfg.temperature] * n,
+                "confidence": out["confidence"],
+            },
+            schema=REJECTIONS_SCHEMA,
+        ),
+    )
+    st = out["steps"]
+    output.write_parquet(
+        steps_file,
+        pa.Table.from_pydict(
+            {
+                "seq_id": [seq_ids[s] for s in st.get("sequence", [])],
+                **{name: st.get(name, []) for name in STEPS_SCHEMA.names[1:]},
+            },
+            schema=STEPS_SCHEMA,
+        ),
+    )
+
+
+def wait_for_ranks(output: DatasetWriter, world_size: int, timeout_s: float = 3600) -> None:
+    """Rank 0 waits for every other rank's shards, so the meta it returns covers all of them."""
+    others = list(range(1, world_size))
+    deadline = time.monotonic() + timeout_s
+    while [r for r in output.ranks_done() if r in others] != others:
+        if time.monotonic() > deadline:
+            raise OpdError(f"ranks {others} did not finish within {timeout_s:.0f}s of rank 0")
+        time.sleep(0.2)
+
+
+def summarize(output: DatasetWriter, cfg: Config) -> dict:
+    """tau and alpha per offset over every shard written so far (all ranks)."""
+    files = [str(output.dir / s["path"]) for s in output.completed_shards()]
+    steps = pl.read_parquet([f for f in files if "/steps-" in f])
+    log_ = pl.scan_parquet([f for f in files if "/rejections-" in f])
+    alpha = dict(
+        log_.filter(pl.col("outcome") != "not_reached")
+        .group_by("offset")
+        .agg((pl.col("outcome") == "accepted").mean())
+        .collect()
+        .iter_rows()
+    )
+    counts = dict(log_.group_by("outcome").len().collect().iter_rows())
+    seqs = pl.scan_parquet([f for f in files if "/sequences-" in f])
+    totals = (
+        seqs.select(
+            pl.len().alias("sequences"),
+            pl.col("input_ids").list.len().sum().alias("tokens"),
+            (pl.col("input_ids").list.len() - pl.col("prompt_len")).sum().alias("generated_tokens"),
+        )
+        .collect()
+        .row(0, named=True)
+    )
+    return {
+        "tau": float((steps["accepted"] + 1).mean()) if steps.height else None,
+        "alpha": [alpha.get(o) for o in range(1, cfg.k + 1)],
+        "verify_steps": steps.height,
+        "drafted": sum(counts.values()),
+        "accepted": counts.get("accepted", 0),
+        "rejected": counts.get("rejected", 0),
+        **{k: int(v) for k, v in totals.items()},
+        "k": cfg.k,
+        "temperature": cfg.temperature,
+        "round": cfg.round,
+        "split": cfg.split,
+    }
+
+
+def run(
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    output: DatasetWriter,
+    rank: int,
+    world_size: int,
+    ctx: RunContext,
+) -> dict:
+    prompts = select_prompts(inputs["prompts"], cfg)  # refuses an empty split
+    drafter_ds = inputs["drafter"]
+    target = ctx.target_loader.target
+    identity = ctx.target_loader.identity
+    drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
+    run_name = str(ctx.extra.get("run_name", "default"))
+    seq_ids = _seq_ids(prompts)
+    if rank == 0 and not output.has_shard(VOCAB_FILE):
+        output.write_file(VOCAB_FILE, drafter_ds.file(VOCAB_FILE))
+
+    n_shards = (len(prompts) + cfg.rows_per_shard - 1) // cfg.rows_per_shard
+    mine = [i for i in range(n_shards) if i % world_size == rank]
+    bar = tqdm(total=len(mine), desc="rollout", unit="shard", disable=not ctx.progress)
+    for i in mine:
+        if all(output.has_shard(f) for f in shard_files(i)):
+            bar.update()
+            continue
+        lo, hi = i * cfg.rows_per_shard, (i + 1) * cfg.rows_per_shard
+        out = rollout_shard(target, drafter, prompts[lo:hi], i, cfg)
+        _write_shard(
+            output,
+            i,
+            prompts[lo:hi],
+            seq_ids[lo:hi],
+            out,
+            cfg,
+            run_name,
+            str(drafter_ds.ref),
+            target.hidden_size,
+        )
+        bar.update()
+    bar.close()
+    if rank != 0:
+        return {}
+    if world_size > 1:
+        wait_for_ranks(output, world_size)
+    meta = summarize(output, cfg)
+    alpha = " ".join("-" if a is None else f"{a:.2f}" for a in meta["alpha"])
+    log.info(
+        "[rollout] %d sequences, tau=%s alpha=[%s], %d rejected of %d drafted",
+        meta["sequences"],
+        meta["tau"],
+        alpha,
+        meta["rejected"],
+        meta["drafted"],
+    )
+    return meta | {"target": identity, "drafter": str(drafter_ds.ref), "shards": n_shards}
