@@ -1,0 +1,442 @@
+"""The frozen target model: the only module that touches transformers model classes.
+
+`Target` wraps a Hugging Face causal LM (Llama, Qwen2, Qwen3, Mistral) and exposes what the
+pipeline needs from it, and nothing else: one forward that returns fp32 logits, the three EAGLE-3
+auxiliary hidden states and the last (post-norm) hidden state; the frozen LM head; KV-cache
+handling; and `score_tree`, which scores many short branches hanging off one context in a single
+forward with a tree attention mask.
+
+Attention masks are boolean `[B, T, S]` (True = may attend), where S counts the cached keys plus
+the T new ones. They reach the model as a ready 4D mask, which transformers' `create_causal_mask`
+passes through unchanged (`masking_utils._preprocess_mask_arguments`).
+
+Layer ids follow the HF `hidden_states[k]` convention: the state entering decoder layer k.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+# Architectures whose logits are exactly `lm_head(norm(h))` with a plain linear head, so that
+# `logits_from_hidden` reproduces the model's own logits (no soft-capping or logit scaling).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Attention backends that accept a custom 4D mask: sdpa takes it as bool, eager as an additive bias.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_HASH_CHUNK = 8 << 20
+
+
+@dataclass
+class TargetOutput:
+    """One target forward. All tensors share the input's leading [B, T]."""
+
+    logits: Tensor  # [B, T, V] fp32
+    aux_hidden: Tensor  # [B, T, 3*H]: hidden_states[k] for k in aux_layer_ids, concatenated
+    last_hidden: Tensor  # [B, T, H]: after the final norm
+
+
+@dataclass
+class TreeScores:
+    """Target scores for branches hanging off one context (see `Target.score_tree`).
+
+    For a branch (a, tokens[L]), row j of `hidden` / `log_probs` is the target's state that predicts
+    branch token j: row 0 comes from context position a-1, row j >= 1 from branch token j-1, and
+    row L predicts the token that would follow the branch.
+
+    The context's features equal a plain forward over it; its logits are not computed (for a large
+    vocab they would dwarf everything else): `logits_from_hidden(context_last_hidden)` gives them.
+    """
+
+    context_aux_hidden: Tensor  # [T0, 3*H]
+    context_last_hidden: Tensor  # [T0, H]
+    hidden: list[Tensor]  # per branch [L+1, H] post-norm last hidden
+    log_probs: list[Tensor]  # per branch [L+1, V] fp32 log_softmax(logits / temperature)
+    token_log_probs: list[Tensor]  # per branch [L]: log-prob of each branch token
+
+
+class Target:
+    """A frozen HF causal LM with the views the pipeline needs (see module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        aux_layer_ids: Sequence[int] | None = None,
+        identity: dict[str, Any],
+    ) -> None:
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"target model_type {config.model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (their logits are a plain linear head over the "
+                "final norm, which feature caching and teacher recomputation rely on)"
+            )
+        attn = config._attn_implementation
+        if attn not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"target attention implementation {attn!r} cannot take tree/batch masks; load the "
+                f"model with attn_implementation one of {SUPPORTED_ATTENTION}"
+            )
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        self.config = config
+        self.num_layers: int = config.num_hidden_layers
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.aux_layer_ids: tuple[int, int, int] = _check_aux_layer_ids(
+            aux_layer_ids, self.num_layers
+        )
+        self._decoder = model.get_decoder()
+        self._layers = self._decoder.layers
+        self.embed_weight: Tensor = model.get_input_embeddings().weight
+        self.lm_head_weight: Tensor = model.get_output_embeddings().weight  # [V, H]
+        if model.get_output_embeddings().bias is not None:
+            raise ValueError("target lm_head has a bias; only bias-free heads are supported")
+        self._window = _attention_window(config)
+        self.identity = {
+            **identity,
+            "architecture": (config.architectures or [type(model).__name__])[0],
+            "model_type": config.model_type,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_layers": self.num_layers,
+            "aux_layer_ids": list(self.aux_layer_ids),
+        }
+
+    @classmethod
+    def from_model(cls, hf_model: nn.Module, aux_layer_ids: Sequence[int] | None = None) -> Target:
+        """Wrap an in-process HF model (tests, notebooks); identity hashes its parameters."""
+        return cls(hf_model, aux_layer_ids=aux_layer_ids, identity=_state_identity(hf_model))
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head_weight.dtype
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from the generation config (falling back to the model config)."""
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> TargetOutput:
+        """Run the target on `input_ids` [B, T], appending to `cache` when given.
+
+        `attention_mask` is bool [B, T, S] (True = may attend), S = cached keys + T; None means
+        plain causal over cache + new tokens, with positions continuing from the cache length.
+        """
+        aux, last = self.forward_features(
+            input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache
+        )
+        return TargetOutput(logits=self.logits_from_hidden(last), aux_hidden=aux, last_hidden=last)
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def forward_features(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """`forward` without the LM head: (aux_hidden [B, T, 3H], last_hidden [B, T, H]).
+
+        For feature extraction, where [B, T, V] logits would cost memory and time for nothing.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        batch, length = input_ids.shape
+        past = self.cache_length(cache)
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        if attention_mask is not None and attention_mask.shape != (batch, length, past + length):
+            raise ValueError(
+                f"attention_mask must be bool [B, T, cache+T] = {(batch, length, past + length)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        if self._window is not None and past + length > self._window:
+            raise ValueError(
+                f"{past + length} keys exceed the target's sliding window of {self._window}; "
+                "sliding-window attention is not supported past the window"
+            )
+        captured: dict[int, Tensor] = {}
+        hooks = [
+            self._layers[k].register_forward_pre_hook(_capture_input(captured, k), with_kwargs=True)
+            for k in set(self.aux_layer_ids)
+        ]
+        try:
+            out = self._decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=None if attention_mask is None else self._mask_4d(attention_mask),
+                past_key_values=cache,
+                use_cache=cache is not None,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        aux = torch.cat([captured[k] for k in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
+        return aux, out.last_hidden_state  # [B, T, H] after the final norm
+
+    @torch.no_grad()
+    def logits_from_hidden(self, last_hidden: Tensor) -> Tensor:
+        """The frozen LM head: post-norm hidden [..., H] -> fp32 logits [..., V]."""
+        weight = self.lm_head_weight
+        return F.linear(last_hidden.to(device=weight.device, dtype=weight.dtype), weight).float()
+
+    def _mask_4d(self, mask: Tensor) -> Tensor:
+        if mask.dtype != torch.bool:
+            raise ValueError(
+                f"attention_mask must be torch.bool (True = may attend), got {mask.dtype}"
+            )
+        mask = mask.to(self.device)[:, None]  # [B, 1, T, S]
+        if self.config._attn_implementation == "sdpa":
+            return mask
+        # eager adds the mask to the attention scores, so it needs an additive bias
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
+        return bias.masked_fill_(~mask, torch.finfo(self.dtype).min)
+
+    # ------------------------------------------------------------------ KV cache
+
+    def new_cache(self) -> DynamicCache:
+        """An empty KV cache; every layer keeps all keys (masks decide what is visible)."""
+        return DynamicCache()
+
+    @staticmethod
+    def cache_length(cache: DynamicCache | None) -> int:
+        return 0 if cache is None else cache.get_seq_length()
+
+    @staticmethod
+    def crop_cache(cache: DynamicCache, length: int) -> None:
+        """Drop every cache slot at index >= `length` (in place)."""
+        current = cache.get_seq_length()
+        if not 0 <= length <= current:
+            raise ValueError(f"cannot crop a cache of {current} slots to {length}")
+        if length < current:
+            cache.crop(length - current)
+
+    @staticmethod
+    def select_cache_rows(cache: DynamicCache, rows: Tensor) -> None:
+        """Keep only batch rows `rows` (in place), e.g. to drop finished sequences."""
+        cache.batch_select_indices(rows)
+
+    # ------------------------------------------------------------------ tree scoring
+
+    @torch.no_grad()
+    def score_tree(
+        self,
+        context_ids: Tensor | Sequence[int],
+        branches: Sequence[tuple[int, Tensor | Sequence[int]]],
+        *,
+        temperature: float = 1.0,
+    ) -> TreeScores:
+        """Score branches (anchor a, tokens[L]) off one context in ONE forward.
+
+        A branch replaces the context from position a on: its token j sits at position a + j and
+        sees context[:a] plus its own earlier tokens, exactly as if `context[:a] + tokens` were run
+        alone. Cost: the context once plus sum(L) branch tokens, instead of one full-prefix pass per
+        branch. The context part of the result equals a plain forward over the context.
+        """
+        context = torch.as_tensor(context_ids, dtype=torch.long).reshape(-1)
+        num_ctx = context.numel()
+        if num_ctx == 0:
+            raise ValueError("score_tree needs a non-empty context")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+        parsed = []
+        for i, (anchor, tokens) in enumerate(branches):
+            tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+            if not 1 <= anchor <= num_ctx:
+                raise ValueError(
+                    f"branch {i}: anchor {anchor} must be in [1, {num_ctx}] (the branch needs at "
+                    "least one context token before it and cannot start past the context's end)"
+                )
+            if tokens.numel() == 0:
+                raise ValueError(f"branch {i} has no tokens")
+            parsed.append((int(anchor), tokens))
+        all_ids = torch.cat([context] + [t for _, t in parsed])
+        if int(all_ids.min()) < 0 or int(all_ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), the target's vocab")
+
+        total = all_ids.numel()
+        positions = torch.empty(total, dtype=torch.long)
+        positions[:num_ctx] = torch.arange(num_ctx)
+        mask = torch.zeros(total, total, dtype=torch.bool)  # [N, N]
+        mask[:num_ctx, :num_ctx] = torch.ones(num_ctx, num_ctx, dtype=torch.bool).tril_()
+        spans = []
+        start = num_ctx
+        for anchor, tokens in parsed:
+            end = start + tokens.numel()
+            positions[start:end] = torch.arange(anchor, anchor + tokens.numel())
+            mask[start:end, :anchor] = True
+            mask[start:end, start:end] = torch.ones(
+                end - start, end - start, dtype=torch.bool
+            ).tril_()
+            spans.append((start, end))
+            start = end
+
+        aux, last = self.forward_features(
+            all_ids[None].to(self.device),
+            position_ids=positions[None].to(self.device),
+            attention_mask=mask[None],
+        )
+        last = last[0]  # [N, H]
+        # only the rows a branch reads go through the LM head: the context's would be T0 x V
+        rows = [
+            torch.cat([torch.tensor([anchor - 1]), torch.arange(start, end)])
+            for (anchor, _), (start, end) in zip(parsed, spans, strict=True)
+        ]
+        picked = torch.cat(rows).to(self.device)
+        scored = torch.log_softmax(self.logits_from_hidden(last[picked]) / temperature, dim=-1)
+        hidden = list(last[picked].split([len(r) for r in rows]))  # per branch [L+1, H]
+        log_probs = list(scored.split([len(r) for r in rows]))  # per branch [L+1, V]
+        token_log_probs = [
+            lp[:-1].gather(-1, tokens[:, None].to(self.device))[:, 0]
+            for lp, (_, tokens) in zip(log_probs, parsed, strict=True)
+        ]
+        return TreeScores(aux[0, :num_ctx], last[:num_ctx], hidden, log_probs, token_log_probs)
+
+
+def load_target(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    aux_layer_ids: Sequence[int] | None = None,
+) -> Target:
+    """Load a local HF causal-LM directory (safetensors weights) as a frozen `Target`.
+
+    Checks, before loading any weights: the directory holds an HF config and safetensors weights,
+    its tokenizer (if any) fits the model's vocab, and the aux layer ids are valid.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"target path {path} does not exist or is not a directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{path} is not a Hugging Face model directory: no config.json (point the target path "
+            "at the directory that holds config.json and the *.safetensors weights)"
+        )
+    weight_files = sorted(path.glob("*.safetensors"))
+    if not weight_files:
+        raise ValueError(
+            f"{path} has no *.safetensors weights; convert the checkpoint to safetensors "
+            "(pickled .bin checkpoints are never loaded)"
+        )
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{path}: model_type {getattr(config, 'model_type', None)!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    _check_aux_layer_ids(aux_layer_ids, config.num_hidden_layers)
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if len(tokenizer) > config.vocab_size:
+            raise ValueError(
+                f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                f"{config.vocab_size}; ids past the embedding would crash or be silently wrong. "
+                "Use the tokenizer the model was trained with."
+            )
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=dtype, device_map=None
+    ).to(device)
+    identity = {"path": str(path.resolve()), "weights_sha256": _files_sha256(weight_files)}
+    return Target(model, aux_layer_ids=aux_layer_ids, identity=identity)
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / mid / high layers: (2, N//2, N-3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def _check_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> tuple[int, int, int]:
+    if ids is None:
+        ids = default_aux_layer_ids(num_layers)
+        if min(ids) < 0 or max(ids) >= num_layers:
+            raise ValueError(
+                f"the default aux layer ids {ids} do not fit a {num_layers}-layer target; pass "
+                f"aux_layer_ids explicitly (3 ids in [0, {num_layers - 1}])"
+            )
+        return ids
+    ids = tuple(ids)
+    if len(ids) != 3 or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
+        raise ValueError(f"aux_layer_ids must be 3 integers (low, mid, high), got {ids!r}")
+    if min(ids) < 0 or max(ids) >= num_layers:
+        raise ValueError(
+            f"aux_layer_ids {ids} out of range for a {num_layers}-layer target: each id k names "
+            f"hidden_states[k], the state entering layer k, so k must be in [0, {num_layers - 1}]"
+        )
+    return ids  # type: ignore[return-value]
+
+
+def _capture_input(store: dict[int, Tensor], layer: int):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        store[layer] = args[0] if args else kwargs["hidden_states"]
+
+    return hook
+
+
+def _attention_window(config: Any) -> int | None:
+    """The sliding window if any layer uses one (our tree/batch masks are full attention)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return None
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def _files_sha256(files: Sequence[Path]) -> str:
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode())
+        with open(file, "rb") as handle:
+            while chunk := handle.read(_HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _state_identity(model: nn.Module) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().cpu().contiguous()
+        digest.update(json.dumps([name, str(data.dtype), list(data.shape)]).encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {"path": None, "weights_sha256": digest.hexdigest()}

@@ -1,0 +1,466 @@
+"""Speculative decoding is lossless (T=0 token for token, T>0 in law), and its logs add up."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import models.speculative as spec
+from models.drafter import DrafterConfig, DraftVocab, Eagle3Drafter, shift_left, ttt_unroll
+from models.speculative import SpecConfig, speculative_generate, target_generate
+from models.target import Target, load_target
+from tests.models.conftest import tiny_target
+
+EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
+MAX_NEW = 20
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models run faster on one thread than fighting the shared cores for two.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_drafter(
+    target: Target, draft_vocab_size: int, *, counts=None, seed: int = 0
+) -> Eagle3Drafter:
+    if counts is None:  # a fixed, scattered draft vocab, so d2t offsets are not all zero
+        counts = torch.randperm(
+            target.vocab_size, generator=torch.Generator().manual_seed(0)
+        ).float()
+    vocab = DraftVocab.from_counts(counts, draft_vocab_size)
+    config = DrafterConfig.from_target(target.config, draft_vocab_size, target.aux_layer_ids)
+    torch.manual_seed(seed)
+    return Eagle3Drafter(config, target.embed_weight, vocab).eval()
+
+
+def random_prompts(n: int, vocab: int, seed: int, lengths=(3, 12)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(lengths[0], lengths[1], (n,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (s,), generator=gen).tolist() for s in sizes]
+
+
+def hf_greedy(target: Target, prompts, max_new: int, eos: int | None = None) -> list[list[int]]:
+    """The reference: transformers' own greedy `generate`, one prompt at a time (no padding)."""
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        # an explicit mask, else HF masks out prompt tokens that equal pad_token_id
+        ids = target.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def fit_drafter(target: Target, sequences: list[list[int]], draft_vocab_size: int) -> Eagle3Drafter:
+    """A drafter overfit (TTT, 2 steps) on the target's own greedy sequences, so drafts get accepted."""
+    width = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    valid = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)], valid[i, : len(s)] = torch.tensor(s), True
+    drafter = make_drafter(
+        target,
+        draft_vocab_size,
+        counts=torch.bincount(ids[valid], minlength=target.vocab_size).float(),
+    )
+    aux = target.forward(ids).aux_hidden  # right padding is harmless under a causal mask
+    vocab = drafter.vocab
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-2)
+    drafter.train()
+    for _ in range(80):
+        loss = 0.0
+        for k, step in enumerate(ttt_unroll(drafter, aux, ids, steps=2, loss_mask=valid)):
+            label = vocab.to_draft(shift_left(ids, k + 2))
+            keep = step.valid & (label >= 0)
+            loss = loss + 0.8**k * torch.nn.functional.cross_entropy(step.logits[keep], label[keep])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def greedy_case(tiny_llama: Target):
+    torch.set_num_threads(1)
+    prompts = random_prompts(20, tiny_llama.vocab_size, seed=0)
+    reference = hf_greedy(tiny_llama, prompts, MAX_NEW)
+    fitted = fit_drafter(tiny_llama, [p + r for p, r in zip(prompts, reference, strict=True)], 64)
+    return prompts, reference, fitted
+
+
+# ---------------------------------------------------------------------------- (a) T = 0
+
+
+@pytest.mark.parametrize(
+    ("which", "batch"),
+    [("random", 1), ("random", 20), ("fitted", 1), ("fitted", 7), ("fitted", 20)],
+)
+def test_greedy_equals_hf_generate(tiny_llama: Target, greedy_case, which: str, batch: int):
+    prompts, reference, fitted = greedy_case
+    drafter = fitted if which == "fitted" else make_drafter(tiny_llama, 64, seed=1)
+    cfg = SpecConfig(k=4, temperature=0.0, max_new_tokens=MAX_NEW, eos_token_ids=())
+    got, accepted = [], []
+    for i in range(0, len(prompts), batch):
+        result = speculative_generate(tiny_llama, drafter, prompts[i : i + batch], cfg)
+        got += result.sequences
+        accepted += result.steps["accepted"]
+        assert result.finish_reasons == ["length"] * len(result.sequences)
+    assert got == reference
+    if which == "fitted":  # the equality above must also have been tested on accepted drafts
+        assert sum(accepted) > 150 and accepted.count(4) >= 5
+
+
+def test_greedy_qwen3_batch(tiny_qwen3: Target):
+    prompts = random_prompts(20, tiny_qwen3.vocab_size, seed=1)
+    reference = hf_greedy(tiny_qwen3, prompts, 16)
+    fitted = fit_drafter(tiny_qwen3, [p + r for p, r in zip(prompts, reference, strict=True)], 80)
+    cfg = SpecConfig(k=3, max_new_tokens=16, eos_token_ids=())
+    result = speculative_generate(tiny_qwen3, fitted, prompts, cfg)
+    assert result.sequences == reference
+    assert result.stats["tau"] > 1.5
+
+
+def test_greedy_stops_at_eos_like_hf(tiny_llama: Target, greedy_case):
+    prompts, reference, fitted = greedy_case
+    # the most frequent generated token as EOS: most rows stop early, at different steps
+    eos = int(torch.tensor(sum(reference, [])).bincount().argmax())
+    expected = hf_greedy(tiny_llama, prompts, MAX_NEW, eos=eos)
+    assert sum(eos in r for r in expected) >= 8
+    cfg = SpecConfig(k=4, max_new_tokens=MAX_NEW, eos_token_ids=(eos,))
+    result = speculative_generate(tiny_llama, fitted, prompts, cfg)
+    assert result.sequences == expected
+    assert result.finish_reasons == ["eos" if eos in r else "length" for r in expected]
+    plain = target_generate(tiny_llama, prompts, MAX_NEW, eos_token_ids=(eos,))
+    assert plain.sequences == expected
+
+
+# ---------------------------------------------------------------------------- (b) T > 0
+
+LAW_VOCAB = 8
+LAW_PROMPT = [1, 5, 2]
+
+
+@pytest.fixture(scope="module")
+def law_case():
+    """A target over 8 tokens and a random drafter over 6 of them (q = 0 on ids 0 and 3)."""
+    target = tiny_target(
+        "llama",
+        vocab_size=LAW_VOCAB,
+        hidden_size=16,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_scale=1.0,
+        aux_layer_ids=(0, 1, 2),
+    )
+    counts = torch.tensor([0.0, 5, 5, 0, 5, 5, 5, 5])
+    drafter = make_drafter(target, 6, counts=counts, seed=3)
+    assert drafter.d2t.tolist() == [1, 1, 2, 2, 2, 2]
+    return target, drafter
+
+
+def exact_joint(target: Target, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(x1, x2, x3) of the target at `temperature`, by enumerating all V^2 continuations."""
+    V = target.vocab_size
+    pairs = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # [V*V, 2]
+    ids = torch.cat([torch.tensor(prompt).expand(V * V, -1), pairs], dim=1)
+    logp = torch.log_softmax(target.forward(ids).logits.double() / temperature, dim=-1)
+    n = len(prompt)
+    x1, x2 = pairs[:, 0], pairs[:, 1]
+    rows = torch.arange(V * V)
+    joint = logp[rows, n - 1, x1] + logp[rows, n, x2]  # [V*V]
+    joint = joint[:, None] + logp[:, n + 1]  # [V*V, V]
+    return joint.exp().reshape(V, V, V)
+
+
+def chi_square(samples: list[list[int]], joint: torch.Tensor) -> tuple[float, float, float]:
+    """Pearson's statistic of the first three tokens against `joint`, with its 1e-6 critical value.
+
+    Cells expected below 5 are pooled into one. The critical value uses Wilson-Hilferty's
+    approximation of the chi-square quantile (z = 4.753 for an upper tail of 1e-6).
+    """
+    V = joint.shape[0]
+    x = torch.tensor([s[:3] for s in samples])
+    counts = torch.bincount(x[:, 0] * V * V + x[:, 1] * V + x[:, 2], minlength=V**3).double()
+    expected = joint.reshape(-1) * counts.sum()
+    big = expected >= 5
+    stat = ((counts[big] - expected[big]) ** 2 / expected[big]).sum()
+    stat += (counts[~big].sum() - expected[~big].sum()) ** 2 / expected[~big].sum().clamp(min=1e-9)
+    df = int(big.sum())  # big cells + the pooled cell - 1
+    critical = df * (1 - 2 / (9 * df) + 4.753 * math.sqrt(2 / (9 * df))) ** 3
+    tv = 0.5 * float((counts / counts.sum() - joint.reshape(-1)).abs().sum())
+    return float(stat), critical, tv
+
+
+def sample_first_three(target, drafter, k: int, temperature: float, n: int, seed: int = 0):
+    cfg = SpecConfig(
+        k=k, temperature=temperature, max_new_tokens=k + 2, seed=seed, eos_token_ids=()
+    )
+    return speculative_generate(target, drafter, [LAW_PROMPT] * n, cfg)
+
+
+# K=1 puts the bonus token at x3; K=2 puts residual sampling at offsets 1 and 2 (x2, x3).
+@pytest.mark.parametrize(("k", "temperature"), [(1, 1.0), (2, 1.0), (2, 0.7)])
+def test_sampling_law_equals_target(law_case, k: int, temperature: float):
+    target, drafter = law_case
+    result = sample_first_three(target, drafter, k, temperature, n=20_000)
+    stat, critical, tv = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, temperature))
+    assert stat < critical, (stat, critical, tv)
+    # acceptances and rejections both happened, so both branches were under test
+    outcomes = result.records["outcome"]
+    assert outcomes.count("accepted") > 2000 and outcomes.count("rejected") > 2000
+
+
+def _accept_always(p_tok, q_tok, gen):
+    return torch.ones_like(p_tok, dtype=torch.bool), torch.ones_like(p_tok)
+
+
+def _resample_from_p(p, q_draft, accepted, block_len, draft_to_target, gen):
+    rows = torch.arange(len(p))
+    return torch.multinomial(p[rows, accepted], 1, generator=gen)[:, 0]
+
+
+@pytest.mark.parametrize(
+    ("name", "broken"), [("_accept", _accept_always), ("_correction", _resample_from_p)]
+)
+def test_sampling_law_catches_a_broken_verifier(law_case, monkeypatch, name: str, broken):
+    target, drafter = law_case
+    monkeypatch.setattr(spec, name, broken)
+    result = sample_first_three(target, drafter, 2, 1.0, n=8_000)
+    stat, critical, _ = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, 1.0))
+    assert stat > critical
+
+
+def test_plain_sampling_law_equals_target(law_case):
+    target, _ = law_case
+    result = target_generate(
+        target, [LAW_PROMPT] * 20_000, 3, temperature=1.0, seed=1, eos_token_ids=()
+    )
+    stat, critical, _ = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, 1.0))
+    assert stat < critical and result.target_forwards == 3
+
+
+# ---------------------------------------------------------------------------- (c) records
+
+
+def _count_forwards(monkeypatch, target: Target) -> list[int]:
+    calls = [0]
+    real = target.forward
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", counting)
+    return calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_records_steps_and_stats_add_up(tiny_llama: Target, greedy_case, monkeypatch, temperature):
+    prompts, _, fitted = greedy_case
+    K = 4
+    calls = _count_forwards(monkeypatch, tiny_llama)
+    cfg = SpecConfig(k=K, temperature=temperature, max_new_tokens=MAX_NEW, seed=5, eos_token_ids=())
+    result = speculative_generate(tiny_llama, fitted, prompts, cfg)
+    rec, steps, stats = result.records, result.steps, result.stats
+
+    # target forwards: one prefill + one batched verify per step; per sequence, exactly 1/tau
+    per_seq_steps = [steps["sequence"].count(i) for i in range(len(prompts))]
+    assert calls[0] == stats["target_forwards"] == 1 + max(per_seq_steps)
+    assert stats["verify_forwards"] == max(per_seq_steps) and stats["prefill_forwards"] == 1
+    accepted = torch.tensor(steps["accepted"])
+    assert stats["tau"] == pytest.approx(float((accepted + 1).float().mean()), abs=1e-6)
+    assert stats["target_forwards_per_token"] == pytest.approx(1 / stats["tau"], rel=1e-6)
+    assert sum(steps["accepted"]) > 50
+
+    by_step: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(rec["sequence"], rec["step"], strict=True)):
+        by_step.setdefault(key, []).append(i)
+    anchors: dict[int, int] = {}
+    for s, t, anchor, drafted, acc, emitted in zip(
+        *(steps[c] for c in spec.STEP_COLUMNS), strict=True
+    ):
+        seq = prompts[s] + result.sequences[s]
+        assert emitted == acc + 1 and 0 <= acc <= drafted <= K
+        # anchors advance by what each step emitted, starting after prompt + prefill token
+        assert anchor == anchors.get(s, len(prompts[s]) + 1)
+        anchors[s] = anchor + emitted
+        rows = by_step.get((s, t), [])
+        assert [rec["offset"][i] for i in rows] == list(range(1, drafted + 1))
+        expected = ["accepted"] * acc + ["rejected"] * (acc < drafted)
+        expected += ["not_reached"] * (drafted - len(expected))
+        assert [rec["outcome"][i] for i in rows] == expected
+        for i in rows:
+            assert rec["anchor"][i] == anchor
+            position = anchor + rec["offset"][i] - 1
+            outcome = rec["outcome"][i]
+            if outcome == "accepted":
+                assert rec["token"][i] == seq[position] == rec["target_token"][i]
+            elif outcome == "rejected":
+                assert rec["target_token"][i] == seq[position] != rec["token"][i]
+            else:
+                assert rec["target_token"][i] == -1
+            if temperature == 0:
+                assert rec["q"][i] == 1.0 and rec["p"][i] == rec["accept_prob"][i]
+                if outcome != "not_reached":
+                    assert rec["accept_prob"][i] == float(outcome == "accepted")
+            else:
+                ratio = min(1.0, rec["p"][i] / rec["q"][i])
+                assert rec["accept_prob"][i] == pytest.approx(ratio, rel=1e-5)
+    for s, seq in enumerate(result.sequences):
+        assert len(seq) == MAX_NEW and anchors[s] == len(prompts[s]) + MAX_NEW
+    for offset in range(1, K + 1):
+        reached = [
+            o
+            for o, f in zip(rec["outcome"], rec["offset"], strict=True)
+            if f == offset and o != "not_reached"
+        ]
+        if reached:
+            alpha = reached.count("accepted") / len(reached)
+            assert stats["alpha"][offset - 1] == pytest.approx(alpha)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_drafts_follow_the_training_row_convention(tiny_llama: Target, greedy_case, temperature):
+    """Drafts and their q / p agree with the training path (`ttt_unroll`) and a plain forward.
+
+    A block anchored at position e is drafted from row e-2 (feature f_{e-2}, token x_{e-1}); chain
+    step k continues that row with the block's k-th draft. Decoding and training must agree on
+    positions, hidden feedback and attention, or SFT would train a drafter decoding never runs.
+    At T>0, q must be softmax(drafter logits / T) and p softmax(target logits / T).
+    """
+    prompts, _, fitted = greedy_case
+    K = 3
+    cfg = SpecConfig(k=K, temperature=temperature, max_new_tokens=MAX_NEW, seed=2, eos_token_ids=())
+    result = speculative_generate(tiny_llama, fitted, prompts[:6], cfg)
+    rec = result.records
+    checked = 0
+    for s, prompt in enumerate(prompts[:6]):
+        seq = torch.tensor([prompt + result.sequences[s]])
+        full = tiny_llama.forward(seq)
+        step_tokens = [None] + [seq.clone() for _ in range(K - 1)]
+        blocks: dict[int, list[int]] = {}
+        for i in range(len(rec["sequence"])):
+            if rec["sequence"][i] == s:
+                blocks.setdefault(rec["anchor"][i], []).append(i)
+        for anchor, rows in blocks.items():
+            for k, i in enumerate(rows[:-1], start=1):
+                step_tokens[k][0, anchor - 2] = rec["token"][i]
+        with torch.no_grad():
+            steps = ttt_unroll(fitted, full.aux_hidden, seq, steps=K, step_tokens=step_tokens)
+        for anchor, rows in blocks.items():
+            for k, i in enumerate(rows):
+                logits = steps[k].logits[0, anchor - 2]  # [Vd]
+                token = rec["token"][i]
+                if temperature == 0:
+                    assert int(fitted.vocab.to_target(logits.argmax())) == token, (s, anchor, k)
+                else:
+                    q = torch.softmax(logits / temperature, -1)[
+                        fitted.vocab.to_draft(torch.tensor(token))
+                    ]
+                    assert rec["q"][i] == pytest.approx(float(q), rel=1e-3, abs=1e-6)
+                    if rec["outcome"][i] != "not_reached":  # its prefix is the committed sequence
+                        target_logits = full.logits[0, anchor + k - 1]
+                        p = torch.softmax(target_logits / temperature, -1)[token]
+                        assert rec["p"][i] == pytest.approx(float(p), rel=1e-3, abs=1e-6)
+                checked += 1
+    assert checked > 100
+
+
+def test_eos_inside_a_block_ends_it(tiny_llama: Target, greedy_case):
+    prompts, reference, fitted = greedy_case
+    eos = int(torch.tensor(sum(reference, [])).bincount().argmax())
+    cfg = SpecConfig(k=4, max_new_tokens=MAX_NEW, eos_token_ids=(eos,))
+    result = speculative_generate(tiny_llama, fitted, prompts, cfg)
+    steps = result.steps
+    ended = 0
+    for s, acc, emitted, drafted in zip(
+        steps["sequence"], steps["accepted"], steps["emitted"], steps["drafted"], strict=True
+    ):
+        if emitted == acc:  # an accepted EOS closed the block: nothing emitted after it
+            ended += 1
+            assert acc == drafted and result.sequences[s][-1] == eos
+        else:
+            assert emitted == acc + 1
+    total = sum(len(s) for s in result.sequences)
+    assert total == len(prompts) + sum(steps["emitted"])
+    assert ended >= 1  # the fitted drafter proposes EOS where the target emits it
+
+
+def test_budget_shrinks_the_last_block(tiny_llama: Target, greedy_case):
+    prompts, reference, fitted = greedy_case
+    cfg = SpecConfig(k=4, max_new_tokens=6, eos_token_ids=())
+    result = speculative_generate(tiny_llama, fitted, prompts[:4], cfg)
+    assert result.sequences == [r[:6] for r in reference[:4]]
+    for s, anchor, drafted in zip(
+        result.steps["sequence"], result.steps["anchor"], result.steps["drafted"], strict=True
+    ):
+        remaining = len(prompts[s]) + 6 - anchor
+        assert drafted == min(4, remaining - 1)
+
+
+# ---------------------------------------------------------------------------- (e) bad input
+
+
+def test_bad_inputs_are_refused_before_any_work(tiny_llama: Target, monkeypatch):
+    drafter = make_drafter(tiny_llama, 64)
+    calls = _count_forwards(monkeypatch, tiny_llama)
+    prompts = [[1, 2, 3]]
+    with pytest.raises(ValueError, match="k .* must be a positive int, got 0"):
+        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(k=0))
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(k=2, temperature=-0.5))
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(k=2, max_new_tokens=0))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        speculative_generate(tiny_llama, drafter, [[1], []], SpecConfig(k=2))
+    with pytest.raises(ValueError, match=r"outside the target vocab \[0, 96\)"):
+        speculative_generate(tiny_llama, drafter, [[1, 96]], SpecConfig(k=2))
+    with pytest.raises(ValueError, match="no prompts"):
+        speculative_generate(tiny_llama, drafter, [], SpecConfig(k=2))
+    with pytest.raises(ValueError, match="temperature must be"):
+        target_generate(tiny_llama, prompts, 4, temperature=float("nan"))
+
+    other_vocab = tiny_target("llama", vocab_size=80)
+    with pytest.raises(ValueError, match="drafter vocab size is 80, target's is 96"):
+        speculative_generate(tiny_llama, make_drafter(other_vocab, 40), prompts, SpecConfig(k=2))
+    other_width = tiny_target("llama", hidden_size=48, num_heads=4)
+    with pytest.raises(ValueError, match="drafter hidden size is 48, target's is 32"):
+        speculative_generate(tiny_llama, make_drafter(other_width, 64), prompts, SpecConfig(k=2))
+    other_layers = Target.from_model(tiny_llama.model, aux_layer_ids=(0, 1, 2))
+    with pytest.raises(ValueError, match=r"aux layer ids is \(0, 1, 2\), target's is \(1, 2, 3\)"):
+        speculative_generate(tiny_llama, make_drafter(other_layers, 64), prompts, SpecConfig(k=2))
+    # same shapes, another model's embedding: loads, runs, accepts nothing; refuse it
+    other_seed = tiny_target("llama", seed=1)
+    with pytest.raises(ValueError, match="embed_tokens is not the target's embedding"):
+        speculative_generate(tiny_llama, make_drafter(other_seed, 64), prompts, SpecConfig(k=2))
+    assert calls[0] == 0
+
+
+# ---------------------------------------------------------------------------- embedded target
+
+
+@pytest.mark.skipif(
+    not (EMBEDDED / "model.safetensors").is_file(), reason="embedded target not trained yet"
+)
+def test_greedy_equals_hf_generate_on_embedded_target():
+    target = load_target(EMBEDDED)
+    prompts = random_prompts(20, target.vocab_size, seed=7, lengths=(14, 19))
+    reference = hf_greedy(target, prompts, 16)
+    drafter = make_drafter(target, min(1024, target.vocab_size))
+    cfg = SpecConfig(k=4, max_new_tokens=16, eos_token_ids=())
+    assert speculative_generate(target, drafter, prompts, cfg).sequences == reference
