@@ -166,14 +166,16 @@ def run_cmd(store: Store, stage: str, profile: str, config_file: Path | None, se
     else:
         step = single_step(stage, cfg)
         roles = dict(r.split("=", 1) for r in input_refs if "=" in r)
-        bad = [r for r in input_refs if "=" not in r] + [r for r in roles if r not in step.module.INPUTS]
+        # Optional roles (e.g. opd's features) are read only when given with --input.
+        known = (*step.module.INPUTS, *getattr(step.module, "OPTIONAL_INPUTS", ()))
+        bad = [r for r in input_refs if "=" not in r] + [r for r in roles if r not in known]
         if bad:
-            raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {list(step.module.INPUTS)}")
+            raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {list(known)}")
+        wanted = [*step.module.INPUTS, *(r for r in roles if r not in step.module.INPUTS)]
         external = {
-            role: store.open(roles.get(role, DEFAULT_INPUT.get(role, role)))
-            for role in step.module.INPUTS
+            role: store.open(roles.get(role, DEFAULT_INPUT.get(role, role))) for role in wanted
         }
-        step.inputs = {role: role for role in step.module.INPUTS}
+        step.inputs = {role: role for role in wanted}
         steps = [step]
         forced = {step.key} if force else set()
     if use_prefect:
@@ -232,6 +234,33 @@ def eval_cmd(store: Store, drafter_ref: str, prompts_ref: str, k: int | None, te
             click.echo(f"  {stats['tokens_per_s']:.1f} tok/s vs {stats['baseline_tokens_per_s']:.1f} plain ({stats['speedup']:.2f}x)")
 
 
+@cli.command("analyze")
+@click.option("--input", "input_refs", multiple=True, metavar="REF", help="A rollouts or eval dataset; repeat to compare several side by side [default: latest rollouts, else latest eval].")
+@click.option("--run", "run_name", default=None, help="Compare the rollouts of every round of this run.")
+@click.option("--top", type=click.IntRange(min=1), default=20, show_default=True, help="Most rejected tokens to list.")
+@click.option("--bins", type=click.IntRange(min=2), default=10, show_default=True, help="Confidence bins for the calibration table.")
+@click.option("--position-bucket", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens per sequence-position bucket.")
+@click.option("--profile", default="default", show_default=True, help="Profile whose target's tokenizer decodes tokens.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.option("--force", is_flag=True, help="Rebuild the report even if this version exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the headline numbers as JSON.")
+@click.pass_obj
+def analyze_cmd(store: Store, input_refs: tuple[str, ...], run_name: str | None, top: int, bins: int, position_bucket: int,
+                profile: str, sets: tuple[str, ...], force: bool, as_json: bool) -> None:
+    """Report on a rejection log: n-α, τ per sequence, calibration, top rejected tokens, rounds."""
+    from pipeline import analyze
+    from pipeline.runner import RunContext, run_stage
+
+    _, loader = _loader(profile, sets)
+    inputs = analyze.resolve_sources(store, input_refs, run_name)
+    cfg = analyze.Config(top_tokens=top, confidence_bins=bins, position_bucket=position_bucket)
+    res = run_stage(analyze, cfg, inputs, RunContext(store=store, target_loader=loader, progress=False), force=force)
+    if as_json:
+        click.echo(json.dumps(res.dataset.meta | {"report": str(res.ref), "path": str(res.dataset.path / "report.md")}, indent=2))
+    else:
+        click.echo(analyze.summary_text(res))
+
+
 @cli.command("export")
 @click.option("--drafter", "drafter_ref", default="sft@latest", show_default=True, help="An sft or opd dataset.")
 @click.option("--format", "fmt", type=click.Choice(["eagle3", "speculators"]), default="eagle3", show_default=True)
@@ -261,6 +290,43 @@ def serve_cmd(store: Store) -> None:
     from flows.serve import serve
 
     serve(str(store.root.resolve()))
+
+
+@cli.group("experiment")
+def experiment_group() -> None:
+    """Experiments that compare training methods end to end."""
+
+
+@experiment_group.command("opd-vs-sft")
+@click.option("--profile", default="default", show_default=True, help="Config profile (tiny, default).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one config value (repeatable).")
+@click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True, help="Seeds per arm (mean and spread over them).")
+@click.option("--budget", type=click.IntRange(min=1), default=None, help="Drafter row-steps per arm [default: --budget-ratio x the warm-up's].")
+@click.option("--budget-ratio", type=float, default=1.0, show_default=True, help="Budget per arm as a share of the SFT warm-up's row-steps.")
+@click.option("--sft-data-temperature", type=float, default=None, help="Sample the target sequences continued SFT trains on at this temperature [default: those of the first OPD rollout].")
+@click.option("--prompts", "prompts_ref", default=None, help="Use this prompts dataset instead of running the prompts stage.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+@click.pass_obj
+def opd_vs_sft_cmd(store: Store, profile: str, sets: tuple[str, ...], seeds: int, budget: int | None,
+                   budget_ratio: float, sft_data_temperature: float | None, prompts_ref: str | None,
+                   as_json: bool) -> None:
+    """From one SFT warm-up, spend the same drafter budget on continued SFT and on Draft-OPD
+    rounds; compare tau on held-out prompts at T=0 and T=1.
+
+    The budget counts drafter forward+backward row-steps (TTT-unrolled rows x steps).
+    """
+    from pipeline import experiment
+    from pipeline.runner import RunContext
+
+    cfg, loader = _loader(profile, sets)
+    if not as_json:
+        _setup_logging()
+    ctx = RunContext(store=store, target_loader=loader, progress=not as_json,
+                     extra={"run_name": "experiment-opd-vs-sft"})
+    result = experiment.opd_vs_sft(cfg, ctx, seeds=seeds, budget=budget, budget_ratio=budget_ratio,
+                                   sft_data_temperature=sft_data_temperature,
+                                   prompts=store.open(prompts_ref) if prompts_ref else None)
+    click.echo(json.dumps(result, indent=2) if as_json else experiment.summary_text(result))
 
 
 def main() -> None:
