@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from pipeline import evaluate, features, generate, prompts, sft
+from pipeline import evaluate, features, generate, opd, prompts, rollout, score, sft
 from pipeline.config import StrictConfig
 from pipeline.profiles import PipelineConfig
 from pipeline.runner import RunContext, StageResult, run_stage
@@ -35,8 +35,15 @@ def stage_modules() -> dict[str, ModuleType]:
         "generate": generate,
         "features": features,
         "sft": sft,
+        "rollout": rollout,
+        "score": score,
+        "opd": opd,
         "evaluate": evaluate,
     }
+
+
+# Stages repeated once per Draft-OPD round; their step keys are `<stage>-r<round>`.
+ROUND_STAGES = ("rollout", "score", "opd")
 
 
 # Which dataset a single-stage run reads for each input role when none is given.
@@ -44,10 +51,16 @@ DEFAULT_INPUT = {"drafter": "sft"}
 
 
 def single_step(name: str, cfg: PipelineConfig) -> Step:
+    """One stage by name; `rollout-r2` etc. is that round's stage (its config with round=2)."""
     modules = stage_modules()
+    stage, _, suffix = name.partition("-r")
+    if stage in ROUND_STAGES and suffix.isdigit() and int(suffix) >= 1:
+        section = getattr(cfg, stage).model_copy(update={"round": int(suffix)})
+        return Step(name, modules[stage], section)
     if name not in modules:
         raise OpdError(
-            f"unknown stage {name!r}; stages: {', '.join(modules)}; chains: {', '.join(CHAINS)}"
+            f"unknown stage {name!r}; stages: {', '.join(modules)} (round stages also as "
+            f"e.g. score-r1); chains: {', '.join(CHAINS)}"
         )
     return Step(name, modules[name], getattr(cfg, name))
 
@@ -62,7 +75,51 @@ def sft_chain(cfg: PipelineConfig) -> list[Step]:
     ]
 
 
-CHAINS: dict[str, Callable[[PipelineConfig], list[Step]]] = {"sft-chain": sft_chain}
+def opd_rounds(cfg: PipelineConfig, drafter: str = "sft", first: int = 1) -> list[Step]:
+    """Rounds first..cfg.rounds of rollout -> score -> opd, starting from step `drafter`'s output.
+
+    Steps read `prompts` and, with the features anchor on, `features` from earlier steps.
+    """
+    steps: list[Step] = []
+    for r in range(first, cfg.rounds + 1):
+        opd_inputs = {"replays": f"score-r{r}", "rollouts": f"rollout-r{r}", "drafter": drafter}
+        if cfg.opd.ce_lambda > 0 and cfg.opd.ce_source == "features":
+            opd_inputs["features"] = "features"
+        steps += [
+            Step(
+                f"rollout-r{r}",
+                rollout,
+                cfg.rollout.model_copy(update={"round": r}),
+                {"prompts": "prompts", "drafter": drafter},
+            ),
+            Step(
+                f"score-r{r}",
+                score,
+                cfg.score.model_copy(update={"round": r}),
+                {"rollouts": f"rollout-r{r}", "drafter": drafter},
+            ),
+            Step(f"opd-r{r}", opd, cfg.opd.model_copy(update={"round": r}), opd_inputs),
+        ]
+        drafter = f"opd-r{r}"
+    return steps
+
+
+def full_chain(cfg: PipelineConfig) -> list[Step]:
+    """prompts -> generate -> features -> sft -> [rollout-rN -> score-rN -> opd-rN] x rounds -> evaluate."""
+    rounds = opd_rounds(cfg)
+    final = rounds[-1].key if rounds else "sft"
+    # TODO(lead): export hook — pipeline.export.export_drafter on `final` (not a dataset stage).
+    return [
+        *sft_chain(cfg)[:-1],
+        *rounds,
+        Step("evaluate", evaluate, cfg.evaluate, {"prompts": "prompts", "drafter": final}),
+    ]
+
+
+CHAINS: dict[str, Callable[[PipelineConfig], list[Step]]] = {
+    "sft-chain": sft_chain,
+    "full": full_chain,
+}
 
 Execute = Callable[[Step, dict[str, Dataset]], StageResult]
 
@@ -100,7 +157,9 @@ def run_chain(
             elif source in available:
                 inputs[role] = available[source]
             else:
-                raise OpdError(f"step {step.key!r} needs {role!r} from {source!r}, which has not run")
+                raise OpdError(
+                    f"step {step.key!r} needs {role!r} from {source!r}, which has not run"
+                )
         results[step.key] = execute(step, inputs)
     return results
 

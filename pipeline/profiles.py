@@ -11,12 +11,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from pipeline.evaluate import Config as EvaluateConfig
 from pipeline.features import Config as FeaturesConfig
 from pipeline.generate import Config as GenerateConfig
+from pipeline.opd import Config as OPDConfig
 from pipeline.prompts import PromptsConfig
+from pipeline.rollout import Config as RolloutConfig
+from pipeline.score import Config as ScoreConfig
 from pipeline.sft import Config as SFTConfig
 from pipeline.config import StrictConfig
 from pipeline.targets import TargetConfig
@@ -31,6 +34,11 @@ class PipelineConfig(StrictConfig):
     generate: GenerateConfig = GenerateConfig()
     features: FeaturesConfig = FeaturesConfig()
     sft: SFTConfig = SFTConfig()
+    rounds: int = Field(2, ge=0)
+    """Draft-OPD rounds (rollout -> score -> opd) after the SFT warm-up in the `full` chain."""
+    rollout: RolloutConfig = RolloutConfig()
+    score: ScoreConfig = ScoreConfig()
+    opd: OPDConfig = OPDConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
 
 

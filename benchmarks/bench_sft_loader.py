@@ -1,0 +1,157 @@
+"""SFT training throughput and the data loader's stall share, on realistic feature shards.
+
+Writes feature shards shaped like the embedded target's through the store (hidden 256, so
+aux_hidden is 768 bf16 values a token; sequences of 96-320 tokens, like its greedy
+trajectories; vocab 4096, draft vocab `--draft-vocab`), then runs the real `sft` stage for
+`--steps` steps per precision and reports, side by side:
+
+- stall_share: time the step waited for its next batch / total step time (goal <= 5%);
+- sync_collate_share: what building the same batches on the training thread would cost,
+  as a share of the step time (what the background thread hides);
+- tokens_per_s with bf16 autocast and (with --fp32) without, and their ratio.
+
+    python -m benchmarks.bench_sft_loader [--steps 30] [--rows 256] [--draft-vocab 4096] [--fp32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+from safetensors.torch import save as save_safetensors
+
+from models.drafter import DraftVocab
+from pipeline import features, sft, training
+from pipeline.runner import RunContext, run_stage
+from pipeline.targets import RandomTargetConfig, TargetConfig, TargetLoader
+from storage import Store, tensor_array
+
+EMBEDDED_SHAPE = RandomTargetConfig(
+    num_layers=6, hidden_size=256, num_heads=4, num_kv_heads=4, intermediate_size=768
+)
+
+
+def write_features(
+    store: Store, rows: int, hidden: int, vocab: int, draft_vocab: int, rows_per_shard: int = 64
+):
+    """Random bf16 features with realistic lengths; trained on, they only need the right shapes."""
+    g = torch.Generator().manual_seed(0)
+    schema = features.feature_schema(hidden)
+    config = {"rows": rows, "draft_vocab": draft_vocab}
+    with store.writer("features", stage="bench", stage_version="1", config=config) as w:
+        counts = torch.randint(1, 1000, (vocab,), generator=g)
+        v = DraftVocab.from_counts(counts, draft_vocab)
+        w.write_bytes(
+            features.VOCAB_FILE, save_safetensors({"d2t": v.d2t, "t2d": v.t2d, "counts": counts})
+        )
+        for s in range(0, rows, rows_per_shard):
+            n = min(rows_per_shard, rows - s)
+            lengths = torch.randint(96, 321, (n,), generator=g).tolist()
+            prompt = [int(torch.randint(16, 64, (1,), generator=g)) for _ in lengths]
+            table = pa.table(
+                [
+                    pa.array([f"seq-{s + i}" for i in range(n)]),
+                    pa.array(
+                        [torch.randint(0, vocab, (t,), generator=g).tolist() for t in lengths],
+                        pa.list_(pa.int32()),
+                    ),
+                    pa.array(
+                        [[0] * p + [1] * (t - p) for t, p in zip(lengths, prompt, strict=True)],
+                        pa.list_(pa.int8()),
+                    ),
+                    tensor_array(
+                        [torch.randn(t, 3 * hidden, generator=g).bfloat16() for t in lengths],
+                        schema.field("aux_hidden"),
+                    ),
+                    tensor_array(
+                        [torch.randn(t, hidden, generator=g).bfloat16() for t in lengths],
+                        schema.field("last_hidden"),
+                    ),
+                ],
+                schema=schema,
+            )
+            w.write_ipc(f"part-{s // rows_per_shard:05d}.arrow", table)
+        return w.commit()
+
+
+def sync_collate_seconds(feats, cfg: sft.Config, steps: int) -> float:
+    """Seconds to build `steps` batches of the same plan on the calling thread."""
+    index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    loader = training.FeatureLoader(
+        index, range(len(index)), batch_size=cfg.batch_size, max_tokens=cfg.max_tokens
+    )
+    plan = [rows for e in range(steps // len(loader) + 1) for rows in loader.plan(e)][:steps]
+    t0 = time.perf_counter()
+    for rows in plan:
+        index.collate(rows)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--fp32", action="store_true", help="also time fp32 (no autocast)")
+    ap.add_argument("--dir", type=Path, default=None)
+    args = ap.parse_args()
+    tmp = Path(args.dir or tempfile.mkdtemp(prefix="opd-bench-sft-"))
+    try:
+        store = Store(tmp)
+        loader = TargetLoader(TargetConfig(path="random", random=EMBEDDED_SHAPE))
+        target = loader.target
+        feats = write_features(
+            store, args.rows, target.hidden_size, target.vocab_size, args.draft_vocab
+        )
+        ctx = RunContext(store=store, target_loader=loader, progress=False)
+        results = {}
+        for bf16 in [True, False] if args.fp32 else [True]:
+            cfg = sft.Config(
+                steps=args.steps,
+                batch_size=args.batch_size,
+                max_tokens=args.max_tokens,
+                val_share=0.0,
+                bf16=bf16,
+                threads=args.threads,
+            )
+            meta = run_stage(sft, cfg, {"features": feats}, ctx, force=True).dataset.meta
+            results["bf16" if bf16 else "fp32"] = {
+                "tokens_per_s": meta["tokens_per_s_this_run"],
+                "stall_share": meta["loader_stall_share"],
+                "seconds": meta["seconds_this_run"],
+                "sync_collate_share": round(
+                    sync_collate_seconds(feats, cfg, args.steps) / meta["seconds_this_run"], 4
+                ),
+            }
+        out = {
+            "steps": args.steps,
+            "rows": args.rows,
+            "batch_size": args.batch_size,
+            "max_tokens": args.max_tokens,
+            "threads": torch.get_num_threads(),
+            "hidden": target.hidden_size,
+            "vocab": target.vocab_size,
+            "draft_vocab": args.draft_vocab,
+            **results,
+        }
+        if "fp32" in results:
+            out["bf16_speedup"] = round(
+                results["bf16"]["tokens_per_s"] / results["fp32"]["tokens_per_s"], 3
+            )
+        print(json.dumps(out, indent=2))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1012 @@
+"""Stage 6, `opd`: Draft-OPD, the drafter trained on its own replayed proposals.
+
+Consumes `replays` (drafting replayed by the current drafter from the rollout's error positions,
+every proposal scored by the target), the `rollouts` they were replayed on (the sequences and
+their target features), the `drafter` to start from (an `sft` or `opd` dataset) and, optionally,
+`features` for a soft-CE anchor on SFT data. Produces `opd` with the `sft` dataset's layout:
+`model.safetensors` + `drafter_config.json`, `draft_vocab.safetensors` copied unchanged from the
+drafter (the map is frozen since stage 2; replays of another map are refused), `metrics.parquet`
+and `summary.json`, so `load_drafter_dataset`, `evaluate` and the next round's rollout take it.
+
+One training item is one (rollout sequence, replay sample): every anchor e of that sequence is a
+row of ONE training-time-test unroll over the sequence (`ttt_unroll(..., step_tokens=...)`):
+  step 0, row e-2: reads the rollout's target feature f_{e-2} and the committed token y_{e-1}
+    (the prefix y<e) and predicts y-hat_1 at position e;
+  step k >= 1, row e-2: reads ONLY its own hidden state of step k-1 and the replayed token
+    y-hat_k, and predicts y-hat_{k+1}.
+Rows are independent after step 0 (a chain sees step-0 keys of rows <= e-2, all in the prefix,
+and its own chain keys), so anchors of one sequence train together. The target contributes only
+the loss: teacher p_k = softmax(lm_head(teacher_hidden_k) / T) on the draft vocab, recomputed
+exactly through the frozen head from the replay's post-norm hidden states.
+
+Losses (`loss`): "draft_opd" (forward KL on accepted proposals + gamma^k-decayed reverse KL on
+rejected ones), "reverse_kl_k1" / "reverse_kl_k3" (sampled reverse KL on the replayed tokens,
+score-function gradient), "tv" (1 - alpha) and "expected_length" (maximise sum_k prod_{i<=k}
+alpha_i along the replayed path). At a replay temperature > 0 a proposal's acceptance is drawn
+from its recorded accept probability with a seeded generator, so a resumed run draws the same.
+
+`ce_lambda` > 0 adds lambda x the EAGLE-3 TTT soft-CE: on batches of the `features` input when
+given, else on the rollout sequences' own teacher-forced rows inside the same unroll (no extra
+drafter forward: every non-anchor row already is an SFT row).
+
+Budget: every step logs `row_steps`, the drafter rows it ran forward and backward times the
+unrolled steps; `budget_row_steps` sets the number of optimizer steps so their sum reaches it
+(matched-compute comparisons, see pipeline/experiment.py).
+
+An empty `replays` dataset (a drafter that was never rejected) is a no-op: the output is the
+input drafter unchanged, with `"trained": false` in its summary, so a chain goes on.
+
+Training loop as in `sft`: warm-up + cosine, AdamW, clipping, checkpoints with exact resume in
+`<root>/_work/opd/<version>/`, DDP under `torchrun` (rank 0 writes), validation on held-out
+sequences (by seq_id): the replay loss and per-step acceptance on their replays, and the
+teacher-forced acceptance / simulated tau on their rollout features (as `sft` reports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import Field, model_validator
+from safetensors.torch import load_file
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from models.drafter import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    DraftVocab,
+    Eagle3Drafter,
+    drafter_tensors,
+    save_drafter,
+    shift_left,
+    ttt_unroll,
+)
+from models.losses import (
+    acceptance_rate,
+    draft_opd_loss,
+    expected_accepted_length,
+    masked_mean,
+    reverse_kl_sampled,
+    teacher_draft_probs,
+    total_variation,
+)
+from pipeline import sft, training
+from pipeline.config import StrictConfig, runtime_field
+from pipeline.drafters import load_drafter_dataset
+from pipeline.features import VOCAB_FILE, check_same_target
+from pipeline.runner import RunContext
+from storage import Dataset, DatasetWriter, OpdError, read_tensor_column
+
+OUTPUT = "opd"
+STAGE = "opd"
+VERSION = "1"
+INPUTS = ("replays", "rollouts", "drafter")
+OPTIONAL_INPUTS = ("features",)
+USES_TARGET = True
+
+METRICS_FILE = sft.METRICS_FILE
+SUMMARY_FILE = sft.SUMMARY_FILE
+OUTPUT_FILES = sft.OUTPUT_FILES
+FEATURE_COLUMNS = sft.FEATURE_COLUMNS
+REPLAY_COLUMNS = ("tokens", "accept_prob", "teacher_hidden")
+
+LossName = Literal["draft_opd", "reverse_kl_k1", "reverse_kl_k3", "tv", "expected_length"]
+
+log = logging.getLogger("opd")
+
+METRICS_SCHEMA = pa.schema(
+    [
+        *sft.METRICS_SCHEMA,
+        ("row_steps", pa.int64()),  # drafter rows x unrolled steps run forward+backward this step
+        ("ttt_loss", pa.float64()),  # val: teacher-forced soft-CE on held-out rollout sequences
+        ("replay_acc", pa.list_(pa.float64())),  # val, per replay step: argmax q == target argmax
+        ("replay_alpha", pa.list_(pa.float64())),  # val, per replay step: sum min(p, q) at T=1
+        ("replay_tau_sim", pa.float64()),
+        ("replay_tau_expected", pa.float64()),
+    ]
+)
+
+
+class Config(StrictConfig):
+    round: int = Field(1, ge=1)
+    """Which Draft-OPD round this is; part of the version, so each round gets its own dataset."""
+    loss: LossName = "draft_opd"
+    gamma: float = Field(0.8, gt=0, le=1)
+    """draft_opd: rejected proposals at block position k (0-based) weigh gamma^k."""
+    lambda_accept: float = Field(1.0, ge=0)
+    lambda_reject: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, gt=0)
+    """Temperature of the teacher p and of the drafter's q inside the losses. Positive even for a
+    greedy (T=0) replay: a one-hot teacher makes the reverse KL infinite; the replay's own
+    temperature still decides which proposals count as accepted."""
+    positions: Literal["all", "reached"] = "all"
+    """Which replayed positions enter the loss: all K, or only those verification reaches
+    (up to and including the first rejection, acceptance drawn from accept_prob)."""
+    ce_lambda: float = Field(0.0, ge=0)
+    """Weight of the EAGLE-3 soft-CE anchor; 0 = none."""
+    ce_source: Literal["rollouts", "features"] = "rollouts"
+    """Where the anchor's rows come from: the rollout sequences' own teacher-forced rows (free:
+    they are in the replay unroll already) or batches of the `features` input (an extra unroll)."""
+    ce_ttt_steps: int = Field(3, ge=1)
+    """Unrolled steps of the soft-CE anchor on `features` batches (rollout rows use the replay's K)."""
+    epochs: float | None = Field(2.0, gt=0)
+    """Passes over the training items; used when neither `steps` nor `budget_row_steps` is set."""
+    steps: int | None = Field(None, ge=1)
+    budget_row_steps: int | None = Field(None, ge=1)
+    """Train until the drafter has run this many rows x unrolled steps (forward + backward)."""
+    batch_size: int = Field(8, ge=1)
+    """Training items (sequence, sample) per batch per rank."""
+    max_tokens: int = Field(4096, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    """Peak lr: lower than the SFT warm-up's, since this fine-tunes a trained drafter."""
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    val_share: float = Field(0.1, ge=0, lt=1)
+    """Share of rollout sequences held out (by seq_id) with all their replays."""
+    val_every: int = Field(50, ge=1)
+    val_ttt_steps: int = Field(6, ge=1)
+    """Steps of the teacher-forced validation on held-out rollout sequences (= its tau's K)."""
+    seed: int = 0
+    bf16: bool = True
+    checkpoint_every: int = runtime_field(100, "save a resumable checkpoint every N steps")
+    stop_after_steps: int | None = runtime_field(
+        None, "stop (TrainingStopped) after N steps with a checkpoint saved; a re-run resumes"
+    )
+    threads: int | None = runtime_field(None, "torch intra-op threads (None = torch's default)")
+    prefetch: int = runtime_field(4, "batches the loader thread prepares ahead")
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.steps is None and self.budget_row_steps is None and self.epochs is None:
+            raise ValueError("set one of steps, budget_row_steps or epochs")
+        return self
+
+
+class TrainingStopped(sft.TrainingStopped):
+    """`stop_after_steps` was reached: the checkpoint is saved and a re-run resumes from it."""
+
+
+# -- data ----------------------------------------------------------------------------------
+
+
+def _fixed_width(batch: pa.RecordBatch, name: str) -> Tensor:
+    """A per-replay [K] list column or [K, D] tensor column as one [R, K(, D)] tensor."""
+    field = batch.schema.field(name)
+    column = batch.column(name)
+    if (field.metadata or {}).get(b"opd.dtype"):
+        values, offsets = read_tensor_column(column, field)
+        offsets = np.asarray(offsets)
+    elif pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
+        offsets = column.offsets.to_numpy().astype(np.int64)
+        values = torch.from_numpy(
+            column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]].copy()
+        )
+        offsets = offsets - offsets[0]
+    else:
+        raise OpdError(f"replay column {name!r} is {field.type}, expected a per-step list")
+    widths = np.diff(offsets)
+    if len(widths) and (widths != widths[0]).any():
+        raise OpdError(
+            f"replay column {name!r} has rows of different lengths {sorted(set(widths))}"
+        )
+    k = int(widths[0]) if len(widths) else 0
+    return values.reshape(len(widths), k, *values.shape[1:]).clone()
+
+
+@dataclass
+class ReplayBatch:
+    """Training items right-padded to [B, T]; their N replays as flat [N, K] arrays."""
+
+    aux_hidden: Tensor  # [B, T, 3H] bf16
+    input_ids: Tensor  # [B, T] int64
+    loss_mask: Tensor  # [B, T] bool
+    last_hidden: Tensor  # [B, T, H] bf16
+    lengths: Tensor  # [B] rows each item unrolls
+    step_tokens: list[Tensor | None]  # [K] of [B, T]: ground truth, replayed tokens at anchor rows
+    item: Tensor  # [N] batch row of each replay
+    row: Tensor  # [N] unroll row of each replay (anchor - 2)
+    tokens: Tensor  # [N, K] int64 replayed target ids
+    accept_prob: Tensor  # [N, K] float32
+    replay_length: Tensor  # [N] verified tokens of each replay (K, or up to a drafted EOS)
+    teacher_hidden: Tensor  # [N, K, H] bf16
+    anchor_rows: Tensor  # [B, T] bool
+
+    @property
+    def row_steps(self) -> int:
+        return int(self.lengths.sum()) * len(self.step_tokens)
+
+    def to(self, device: torch.device) -> ReplayBatch:
+        moved = {
+            k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()
+        }
+        moved["step_tokens"] = [None if t is None else t.to(device) for t in self.step_tokens]
+        return ReplayBatch(**moved)
+
+
+class ReplayIndex:
+    """Replays grouped into training items, one per (rollout sequence, sample), for FeatureLoader.
+
+    `lengths[i]` is the number of unroll rows item i needs: up to its last anchor's prefix (or the
+    whole sequence when `full_sequences`, for a soft-CE on the rollout's own rows). `keys[i]` is
+    the item's seq_id, so a held-out split keeps all samples of a sequence on one side.
+    """
+
+    def __init__(self, replays: Dataset, rollouts: Dataset, *, full_sequences: bool):
+        self.features = training.FeatureIndex(rollouts, FEATURE_COLUMNS)
+        feature_row = {key: i for i, key in enumerate(self.features.keys)}
+        seq_ids: list[str] = []
+        anchors, samples, lengths_given = [], [], []
+        cols: dict[str, list[Tensor]] = {name: [] for name in REPLAY_COLUMNS}
+        for shard in replays.shards("ipc"):
+            for batch in replays.ipc_batches(shard):
+                names = batch.schema.names
+                missing = [
+                    c for c in ("seq_id", "anchor", "sample", *REPLAY_COLUMNS) if c not in names
+                ]
+                if missing:
+                    raise OpdError(
+                        f"{replays.ref} shard {shard!r} lacks columns {missing}; it has {names}"
+                    )
+                seq_ids += [str(s) for s in batch.column("seq_id").to_pylist()]
+                anchors += batch.column("anchor").to_pylist()
+                samples += batch.column("sample").to_pylist()
+                # Replays cut at a drafted EOS (a decoder ends the block there) say so in `length`.
+                if "length" in names:
+                    lengths_given += batch.column("length").to_pylist()
+                else:
+                    lengths_given += [None] * batch.num_rows
+                for name in REPLAY_COLUMNS:
+                    cols[name].append(_fixed_width(batch, name))
+        if not seq_ids:
+            raise OpdError(f"{replays.ref} has no replay rows")
+        self.tokens = torch.cat(cols["tokens"]).long()  # [R, K]
+        self.accept_prob = torch.cat(cols["accept_prob"]).float()  # [R, K]
+        self.teacher_hidden = torch.cat(cols["teacher_hidden"])  # [R, K, H]
+        self.depth = self.tokens.shape[1]
+        if self.depth < 1:
+            raise OpdError(f"{replays.ref} holds replays of zero tokens")
+        self.replay_length = torch.tensor(
+            [self.depth if n is None else n for n in lengths_given], dtype=torch.long
+        )  # [R]
+        if ((self.replay_length < 1) | (self.replay_length > self.depth)).any():
+            raise OpdError(f"{replays.ref}: a replay length lies outside [1, {self.depth}]")
+
+        groups: dict[tuple[str, int], list[int]] = {}
+        for r, (seq_id, sample) in enumerate(zip(seq_ids, samples, strict=True)):
+            groups.setdefault((seq_id, int(sample)), []).append(r)
+        self.items: list[tuple[int, np.ndarray, np.ndarray]] = []  # (feature row, replays, anchors)
+        lengths, self.keys = [], []
+        for (seq_id, sample), rows in groups.items():
+            if seq_id not in feature_row:
+                raise OpdError(
+                    f"{replays.ref} replays sequence {seq_id!r}, which is not in {rollouts.ref}: "
+                    "pass the rollouts the replays were scored on"
+                )
+            f = feature_row[seq_id]
+            n = int(self.features.lengths[f])
+            e = np.asarray([anchors[r] for r in rows], dtype=np.int64)
+            bad = e[(e < 2) | (e > n)]
+            if len(bad):
+                raise OpdError(
+                    f"{replays.ref}: sequence {seq_id!r} ({n} tokens) has anchors {bad.tolist()}; "
+                    "an anchor e needs the drafter row e-2 and the token y_{e-1}, so 2 <= e <= "
+                    f"{n}: the replays do not belong to this rollout"
+                )
+            if len(np.unique(e)) != len(e):
+                raise OpdError(
+                    f"{replays.ref}: sequence {seq_id!r} sample {sample} repeats an anchor; "
+                    "each (sequence, anchor, sample) must be one replay row"
+                )
+            self.items.append((f, np.asarray(rows, dtype=np.int64), e))
+            lengths.append(n if full_sequences else int(e.max()))
+            self.keys.append(seq_id)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def collate(self, rows: list[int]) -> ReplayBatch:
+        items = [self.items[i] for i in rows]
+        feats = self.features.collate([f for f, _, _ in items])
+        lengths = torch.from_numpy(self.lengths[np.asarray(rows)].copy())
+        width = int(lengths.max())
+        cols = {name: t[:, :width] for name, t in feats.columns.items()}
+        ids = cols["input_ids"]
+        item = torch.cat([torch.full((len(r),), b) for b, (_, r, _) in enumerate(items)])
+        replay = torch.from_numpy(np.concatenate([r for _, r, _ in items]))
+        row = torch.from_numpy(np.concatenate([e - 2 for _, _, e in items]))
+        tokens = self.tokens[replay]  # [N, K]
+        anchor_rows = torch.zeros(ids.shape, dtype=torch.bool)
+        anchor_rows[item, row] = True
+        step_tokens: list[Tensor | None] = [None]
+        for k in range(1, self.depth):
+            given = shift_left(ids, k + 1)  # [B, T] ground truth x_{t+k+1}
+            given[item, row] = tokens[:, k - 1]
+            step_tokens.append(given)
+        return ReplayBatch(
+            aux_hidden=cols["aux_hidden"],
+            input_ids=ids,
+            loss_mask=cols["loss_mask"].bool(),
+            last_hidden=cols["last_hidden"],
+            lengths=lengths,
+            step_tokens=step_tokens,
+            item=item,
+            row=row,
+            tokens=tokens,
+            accept_prob=self.accept_prob[replay],
+            replay_length=self.replay_length[replay],
+            teacher_hidden=self.teacher_hidden[replay],
+            anchor_rows=anchor_rows,
+        )
+
+
+# -- the unroll and the losses ---------------------------------------------------------------
+
+
+class Unrolls(nn.Module):
+    """The step's unrolls (replays, and the CE anchor's batch) as one forward, so DDP sees one
+    forward per backward. Each unroll is (aux_hidden, input_ids, loss_mask, step_tokens, steps)."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, *unrolls: tuple) -> list[tuple[list[Tensor], list[Tensor]]]:
+        results = []
+        for aux_hidden, input_ids, loss_mask, step_tokens, steps in unrolls:
+            out = ttt_unroll(
+                self.drafter,
+                aux_hidden,
+                input_ids,
+                steps=steps,
+                step_tokens=step_tokens,
+                loss_mask=loss_mask,
+            )
+            results.append(([s.logits for s in out], [s.valid for s in out]))
+        return results
+
+
+def replay_logits(step_logits: list[Tensor], item: Tensor, row: Tensor) -> Tensor:
+    """The drafter's logits along each replay: step k at (item, anchor row) -> [N, K, Vd]."""
+    return torch.stack([logits[item, row] for logits in step_logits], dim=1)
+
+
+def replay_outcomes(
+    accept_prob: Tensor, length: Tensor, positions: str, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """(accepted, mask) [N, K] bool. Acceptance is drawn from accept_prob (exact at 0 and 1);
+    mask keeps the first `length` [N] positions (those a decoder would verify), and with
+    positions="reached" only those verification reaches (every earlier one accepted)."""
+    accepted = torch.bernoulli(accept_prob.float().cpu(), generator=generator).bool()
+    accepted = accepted.to(accept_prob.device)
+    K = accept_prob.shape[1]
+    mask = torch.arange(K, device=accept_prob.device) < length[:, None]
+    if positions == "reached":
+        mask[:, 1:] &= torch.cumprod(accepted[:, :-1].long(), dim=1).bool()
+    return accepted, mask
+
+
+def replay_loss(
+    loss: LossName,
+    logits: Tensor,
+    target_logits: Tensor,
+    tokens: Tensor,
+    accepted: Tensor,
+    mask: Tensor,
+    vocab: DraftVocab,
+    *,
+    temperature: float,
+    gamma: float = 0.8,
+    lambda_accept: float = 1.0,
+    lambda_reject: float = 1.0,
+) -> Tensor:
+    """The Draft-OPD objective on replayed blocks (a pure function).
+
+    logits [N, K, Vd]: the drafter along each replay; target_logits [N, K, V]: the target's logits
+    at the state predicting each replayed token; tokens [N, K]: the replayed target ids (drafted,
+    so inside the draft vocab); accepted, mask [N, K] bool.
+    """
+    scaled = logits / temperature
+    if loss == "draft_opd":
+        teacher = teacher_draft_probs(target_logits, vocab, temperature)
+        return draft_opd_loss(
+            scaled,
+            teacher,
+            accepted,
+            mask,
+            gamma=gamma,
+            lambda_accept=lambda_accept,
+            lambda_reject=lambda_reject,
+        )
+    if loss in ("reverse_kl_k1", "reverse_kl_k3"):
+        draft_ids = vocab.to_draft(tokens)[..., None]  # [N, K, 1]
+        logq = scaled.log_softmax(-1).gather(-1, draft_ids)[..., 0]
+        teacher = teacher_draft_probs(target_logits, vocab, temperature)
+        logp = (
+            teacher.gather(-1, draft_ids)[..., 0].clamp_min(torch.finfo(torch.float32).tiny).log()
+        )
+        return reverse_kl_sampled(logq, logp, mask, estimator=loss[-2:])
+    q = scaled.softmax(-1)
+    p_full = teacher_draft_probs(target_logits, vocab, temperature, renormalize=False)
+    if loss == "tv":
+        return masked_mean(total_variation(q, p_full), mask)
+    if loss == "expected_length":
+        return -expected_accepted_length(acceptance_rate(q, p_full), mask).mean()
+    raise OpdError(f"unknown loss {loss!r}")
+
+
+def ce_rollout_loss(
+    step_logits: list[Tensor],
+    step_valid: list[Tensor],
+    teacher: Tensor,
+    anchor_rows: Tensor,
+    decay: float,
+) -> Tensor:
+    """TTT soft-CE on the unroll rows that read ground truth: all rows at step 0, and at later
+    steps every row but the anchors (which read replayed tokens). teacher [B, T, Vd]."""
+    valid = [v if k == 0 else v & ~anchor_rows for k, v in enumerate(step_valid)]
+    return sft.sft_loss(step_logits, valid, teacher, decay)
+
+
+# -- budget, validation ----------------------------------------------------------------------
+
+
+def _step_costs(
+    lengths: np.ndarray,
+    rows: list[int],
+    *,
+    steps_per_row: int,
+    epoch: int,
+    cfg: Config,
+    world_size: int,
+) -> list[int]:
+    """Row-steps of each optimizer step of one epoch, summed over ranks (matches FeatureLoader)."""
+    plan = training.plan_batches(
+        lengths,
+        rows,
+        batch_size=cfg.batch_size,
+        max_tokens=cfg.max_tokens,
+        seed=cfg.seed,
+        epoch=epoch,
+        shuffle=True,
+        world_size=world_size,
+    )
+    per_batch = [int(lengths[b].sum()) * steps_per_row for b in plan]
+    return [sum(per_batch[i : i + world_size]) for i in range(0, len(per_batch), world_size)]
+
+
+def steps_for_budget(budget: int, step_cost: Any) -> int:
+    """The fewest optimizer steps whose summed row-steps reach `budget`; step_cost(s) -> int."""
+    done, step = 0, 0
+    while done < budget:
+        cost = step_cost(step)
+        if cost <= 0:
+            raise OpdError("a training step processes no rows; the budget cannot be reached")
+        done += cost
+        step += 1
+    return step
+
+
+def _cycle(loader: training.FeatureLoader, start: int) -> Iterator[training.PaddedBatch]:
+    """Batches from global batch index `start` on, epoch after epoch (the CE anchor's stream)."""
+    epoch, position = divmod(start, len(loader))
+    while True:
+        with contextlib.closing(loader.iterate(epoch, position)) as batches:
+            yield from batches
+        epoch, position = epoch + 1, 0
+
+
+def _autocast(device: torch.device, enabled: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+@torch.no_grad()
+def validate_replays(
+    drafter: Eagle3Drafter, loader: training.FeatureLoader, target: Any, cfg: Config
+) -> dict[str, Any]:
+    """Held-out replay loss and, per replay step, greedy hit rate and expected alpha at T=1."""
+    vocab = drafter.vocab
+    device = next(drafter.parameters()).device
+    K = loader.index.depth
+    sums = torch.zeros(2 + 3 * K, dtype=torch.float64)  # loss x N, N, hits[K], alpha[K], n[K]
+    generator = torch.Generator().manual_seed(cfg.seed)
+    was_training = drafter.training
+    drafter.eval()
+    with contextlib.closing(loader.iterate(0)) as batches:
+        for batch in batches:
+            b = batch.to(device)
+            with _autocast(device, cfg.bf16):
+                out = ttt_unroll(
+                    drafter, b.aux_hidden, b.input_ids, steps=K, step_tokens=b.step_tokens
+                )
+            logits = replay_logits([s.logits for s in out], b.item, b.row)  # [N, K, Vd]
+            target_logits = target.logits_from_hidden(b.teacher_hidden)  # [N, K, V]
+            accepted, mask = replay_outcomes(
+                b.accept_prob, b.replay_length, cfg.positions, generator
+            )
+            loss = replay_loss(
+                cfg.loss,
+                logits,
+                target_logits,
+                b.tokens,
+                accepted,
+                mask,
+                vocab,
+                temperature=cfg.temperature,
+                gamma=cfg.gamma,
+                lambda_accept=cfg.lambda_accept,
+                lambda_reject=cfg.lambda_reject,
+            )
+            verified = (torch.arange(K, device=device) < b.replay_length[:, None]).double()
+            hits = vocab.to_target(logits.argmax(-1)) == target_logits.argmax(-1)  # [N, K]
+            p_full = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False)
+            alpha = acceptance_rate(logits.softmax(-1), p_full)  # [N, K]
+            n = len(b.item)
+            sums += torch.cat(
+                [
+                    torch.tensor([float(loss) * n, n], dtype=torch.float64),
+                    (hits.double() * verified).sum(0).cpu(),
+                    (alpha.double() * verified).sum(0).cpu(),
+                    verified.sum(0).cpu(),
+                ]
+            )
+    drafter.train(was_training)
+    training.all_reduce_sum(sums)
+    n = sums[2 + 2 * K :].clamp_min(1)
+    acc, alpha = sums[2 : 2 + K] / n, sums[2 + K : 2 + 2 * K] / n
+    return {
+        "loss": float(sums[0] / sums[1].clamp_min(1)),
+        "replay_acc": acc.tolist(),
+        "replay_alpha": alpha.tolist(),
+        "replay_tau_sim": float(1 + acc.cumprod(0).sum()),
+        "replay_tau_expected": float(1 + alpha.cumprod(0).sum()),
+    }
+
+
+def _validate(
+    drafter: Eagle3Drafter,
+    replay_val: training.FeatureLoader | None,
+    ttt_val: training.FeatureLoader | None,
+    target: Any,
+    cfg: Config,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    if ttt_val is not None:
+        ttt_cfg = sft.Config(
+            steps=1,
+            ttt_steps=cfg.val_ttt_steps,
+            tau_k=cfg.val_ttt_steps,
+            temperature=cfg.temperature,
+            bf16=cfg.bf16,
+        )
+        ttt = sft.validate(drafter, ttt_val, target, ttt_cfg)
+        row |= {k: ttt[k] for k in ("acc", "alpha", "tau_sim", "tau_expected", "tau_chain")}
+        row["ttt_loss"] = ttt["loss"]
+    if replay_val is not None:
+        row |= validate_replays(drafter, replay_val, target, cfg)
+    return row
+
+
+# -- the stage -------------------------------------------------------------------------------
+
+
+def _vocab_of(ds: Dataset) -> dict[str, Tensor]:
+    try:
+        return load_file(ds.file(VOCAB_FILE))
+    except OpdError:
+        raise OpdError(
+            f"{ds.ref} has no {VOCAB_FILE}; it must carry the draft vocab map it was made with"
+        ) from None
+
+
+def check_same_vocab(drafter: Dataset, others: list[Dataset]) -> None:
+    """Refuse data made with another draft-vocab map than the drafter's (it is never rebuilt)."""
+    mine = _vocab_of(drafter)
+    for ds in others:
+        theirs = _vocab_of(ds)
+        if not all(torch.equal(mine[k], theirs[k]) for k in ("d2t", "t2d")):
+            raise OpdError(
+                f"{ds.ref} uses another draft-vocab map than the drafter {drafter.ref}; the map is "
+                "frozen from the features stage on: make it with this drafter's lineage"
+            )
+
+
+def _empty_row(kind: str, step: int, epoch: float) -> dict[str, Any]:
+    return {name: None for name in METRICS_SCHEMA.names} | {
+        "kind": kind,
+        "step": step,
+        "epoch": epoch,
+    }
+
+
+def _write_outputs(
+    output: DatasetWriter,
+    drafter: Eagle3Drafter | None,
+    source: Dataset,
+    metrics: list[dict[str, Any]],
+    summary: dict[str, Any],
+) -> None:
+    if drafter is None:  # untrained: the input drafter's files, byte for byte
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            output.write_file(name, source.file(name))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_drafter(drafter, tmp)
+            for name in (WEIGHTS_FILE, CONFIG_FILE):
+                output.write_file(name, Path(tmp) / name)
+    output.write_file(VOCAB_FILE, source.file(VOCAB_FILE))
+    output.write_parquet(METRICS_FILE, pa.Table.from_pylist(metrics, schema=METRICS_SCHEMA))
+    output.write_bytes(SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True).encode())
+
+
+def run(
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    output: DatasetWriter,
+    rank: int,
+    world_size: int,
+    ctx: RunContext,
+) -> dict:
+    replays, rollouts, source = inputs["replays"], inputs["rollouts"], inputs["drafter"]
+    feats = inputs.get("features")
+    identity = ctx.target_loader.identity
+    for ds in (replays, rollouts, feats):
+        if ds is not None:
+            check_same_target(ds, identity)
+    scored_on = replays.inputs.get("rollouts")
+    if scored_on is not None and scored_on != str(rollouts.ref):
+        raise OpdError(
+            f"{replays.ref} was scored on {scored_on}, not on {rollouts.ref}: pass the rollouts "
+            "its seq_ids and anchors refer to"
+        )
+    check_same_vocab(source, [d for d in (replays, rollouts, feats) if d is not None])
+    wants_features = cfg.ce_lambda > 0 and cfg.ce_source == "features"
+    if wants_features != (feats is not None):
+        raise OpdError(
+            "the features input feeds the soft-CE anchor only: pass it exactly when ce_lambda > 0 "
+            f"and ce_source='features' (got ce_lambda={cfg.ce_lambda}, ce_source={cfg.ce_source!r}, "
+            f"features {'given' if feats is not None else 'not given'})"
+        )
+    rank, world_size = training.resolve_ranks(rank, world_size)
+    if all(output.has_shard(f) for f in OUTPUT_FILES):  # trained; only the commit was missing
+        return json.loads((output.dir / SUMMARY_FILE).read_text())
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    target = ctx.target_loader.target
+    base = {
+        "round": cfg.round,
+        "drafter": str(source.ref),
+        "replays": str(replays.ref),
+        "rollouts": str(rollouts.ref),
+        "target": identity,
+        "loss": cfg.loss,
+    }
+    if replays.num_rows == 0:
+        log.warning(
+            "[opd] %s is empty (the drafter was never rejected): nothing to train on; %s is %s "
+            "unchanged",
+            replays.ref,
+            output.ref,
+            source.ref,
+        )
+        summary = base | {"trained": False, "reason": f"{replays.ref} has no replays", "steps": 0}
+        if rank == 0:
+            _write_outputs(output, None, source, [], summary)
+        return summary
+
+    drafter = load_drafter_dataset(source, target, identity)
+    vocab = drafter.vocab
+    device = target.device
+    if (made_by := replays.inputs.get("drafter")) not in (None, str(source.ref)):
+        log.warning(
+            "[opd] %s was replayed by %s; training %s on it (off-policy)",
+            replays.ref,
+            made_by,
+            source.ref,
+        )
+
+    ce_on_rollouts = cfg.ce_lambda > 0 and cfg.ce_source == "rollouts"
+    index = ReplayIndex(replays, rollouts, full_sequences=ce_on_rollouts)
+    K = index.depth
+    bad = vocab.to_draft(index.tokens) < 0
+    if bad.any():
+        raise OpdError(
+            f"{replays.ref} replays token {int(index.tokens[bad][0])}, which is outside the draft "
+            "vocab: the replays were not drafted with this vocab map"
+        )
+    seqs = index.features.keys
+    train_seqs, val_seqs = training.holdout_split(seqs, cfg.val_share, cfg.seed)
+    held_out = {seqs[i] for i in val_seqs}
+    train_items = [i for i, key in enumerate(index.keys) if key not in held_out]
+    val_items = [i for i, key in enumerate(index.keys) if key in held_out]
+    if not train_items:
+        raise OpdError(
+            f"all {len(index)} replayed sequences of {replays.ref} are held out for validation: "
+            "lower val_share or replay more sequences"
+        )
+    common = dict(
+        batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, rank=rank, world_size=world_size
+    )
+    train = training.FeatureLoader(
+        index, train_items, seed=cfg.seed, prefetch=cfg.prefetch, **common
+    )
+    replay_val = (
+        training.FeatureLoader(index, val_items, shuffle=False, equal_ranks=False, **common)
+        if val_items
+        else None
+    )
+    ttt_val = (
+        training.FeatureLoader(index.features, val_seqs, shuffle=False, equal_ranks=False, **common)
+        if val_seqs
+        else None
+    )
+    anchor: training.FeatureLoader | None = None
+    if wants_features:
+        feature_index = training.FeatureIndex(feats, FEATURE_COLUMNS)
+        anchor = training.FeatureLoader(
+            feature_index,
+            range(len(feature_index)),
+            seed=cfg.seed + 1,
+            prefetch=cfg.prefetch,
+            **common,
+        )
+    per_epoch = len(train)
+
+    @functools.cache
+    def replay_costs(epoch: int) -> list[int]:
+        return _step_costs(
+            index.lengths, train_items, steps_per_row=K, epoch=epoch, cfg=cfg, world_size=world_size
+        )
+
+    @functools.cache
+    def anchor_costs(epoch: int) -> list[int]:
+        return _step_costs(
+            anchor.index.lengths,
+            anchor.rows,
+            steps_per_row=cfg.ce_ttt_steps,
+            epoch=epoch,
+            cfg=cfg.model_copy(update={"seed": cfg.seed + 1}),
+            world_size=world_size,
+        )
+
+    def step_cost(step: int) -> int:
+        epoch, position = divmod(step, per_epoch)
+        cost = replay_costs(epoch)[position]
+        if anchor is not None:
+            epoch, position = divmod(step, len(anchor))
+            cost += anchor_costs(epoch)[position]
+        return cost
+
+    if cfg.steps is not None:
+        total = cfg.steps
+    elif cfg.budget_row_steps is not None:
+        total = steps_for_budget(cfg.budget_row_steps, step_cost)
+    else:
+        total = math.ceil(cfg.epochs * per_epoch)
+
+    drafter.train()
+    optimizer = training.adamw(drafter, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = training.WarmupCosine(
+        optimizer,
+        total_steps=total,
+        warmup_steps=round(cfg.warmup_ratio * total),
+        min_lr_ratio=cfg.min_lr_ratio,
+    )
+    ckpt = training.Checkpointer(output.store.root / "_work" / STAGE / output.version)
+    step, metrics = 0, []
+    if (latest := ckpt.latest()) is not None:
+        saved = ckpt.load(latest, optimizer=optimizer, scheduler=schedule)
+        if saved.model.keys() != drafter_tensors(drafter).keys():
+            raise OpdError(
+                f"checkpoint {ckpt.path(latest)} holds other tensors than the drafter; delete it"
+            )
+        drafter.load_state_dict(saved.model, strict=False)  # embed_tokens is the target's
+        step, metrics = saved.step, saved.state["metrics"]
+        if saved.state["data_position"] != list(divmod(step, per_epoch)):
+            raise OpdError(f"checkpoint {ckpt.path(latest)} does not match this data; delete it")
+        log.info("[opd] resuming from step %d (%s)", step, ckpt.path(latest))
+    log.info(
+        "[opd] round %d: %s on %s (%d train / %d val items, K=%d, loss %s); %d steps, %d per "
+        "epoch; checkpoints in %s",
+        cfg.round,
+        source.ref,
+        replays.ref,
+        len(train_items),
+        len(val_items),
+        K,
+        cfg.loss,
+        total,
+        per_epoch,
+        ckpt.directory,
+    )
+    if step == 0 and (replay_val or ttt_val):
+        metrics.append(
+            _empty_row("val", 0, 0.0) | _validate(drafter, replay_val, ttt_val, target, cfg)
+        )
+
+    model = training.wrap_ddp(Unrolls(drafter))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    anchor_stream = _cycle(anchor, step) if anchor is not None else None
+    bar = tqdm(
+        total=total,
+        initial=step,
+        desc=f"opd-r{cfg.round}",
+        unit="step",
+        disable=not ctx.progress or rank != 0,
+    )
+    t_start, wait_start, row_steps_run = time.perf_counter(), train.wait_seconds, 0
+    try:
+        while step < total:
+            epoch, position = divmod(step, per_epoch)
+            with contextlib.closing(train.iterate(epoch, position)) as batches:
+                for batch in batches:
+                    t0 = time.perf_counter()
+                    b = batch.to(device)
+                    lr = schedule.lr
+                    generator = torch.Generator().manual_seed(
+                        cfg.seed * 1_000_003 + step * 7919 + rank
+                    )
+                    accepted, mask = replay_outcomes(
+                        b.accept_prob, b.replay_length, cfg.positions, generator
+                    )
+                    with torch.no_grad():
+                        target_logits = target.logits_from_hidden(b.teacher_hidden)  # [N, K, V]
+                    unrolls = [(b.aux_hidden, b.input_ids, b.loss_mask, b.step_tokens, K)]
+                    if anchor_stream is not None:
+                        fbatch = next(anchor_stream)
+                        fb = {k: v.to(device) for k, v in fbatch.columns.items()}
+                        fb["loss_mask"] = fb["loss_mask"].bool()
+                        unrolls.append(
+                            (
+                                fb["aux_hidden"],
+                                fb["input_ids"],
+                                fb["loss_mask"],
+                                None,
+                                cfg.ce_ttt_steps,
+                            )
+                        )
+                    with _autocast(device, cfg.bf16):
+                        outs = model(*unrolls)
+                    step_logits, step_valid = outs[0]
+                    logits = replay_logits(step_logits, b.item, b.row)  # [N, K, Vd]
+                    loss = replay_loss(
+                        cfg.loss,
+                        logits,
+                        target_logits,
+                        b.tokens,
+                        accepted,
+                        mask,
+                        vocab,
+                        temperature=cfg.temperature,
+                        gamma=cfg.gamma,
+                        lambda_accept=cfg.lambda_accept,
+                        lambda_reject=cfg.lambda_reject,
+                    )
+                    tokens = int(batch.lengths.sum())
+                    row_steps = batch.row_steps
+                    if ce_on_rollouts:
+                        with torch.no_grad():
+                            teacher = teacher_draft_probs(
+                                target.logits_from_hidden(b.last_hidden), vocab, cfg.temperature
+                            )
+                        loss = loss + cfg.ce_lambda * ce_rollout_loss(
+                            step_logits, step_valid, teacher, b.anchor_rows, cfg.gamma
+                        )
+                    if anchor_stream is not None:
+                        with torch.no_grad():
+                            teacher = teacher_draft_probs(
+                                target.logits_from_hidden(fb["last_hidden"]), vocab, cfg.temperature
+                            )
+                        loss = loss + cfg.ce_lambda * sft.sft_loss(*outs[1], teacher, cfg.gamma)
+                        tokens += fbatch.num_tokens
+                        row_steps += fbatch.num_tokens * cfg.ce_ttt_steps
+                    loss.backward()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    schedule.step()
+                    step += 1
+
+                    sums = training.all_reduce_sum(
+                        torch.tensor(
+                            [float(loss.detach()), row_steps, tokens, 1.0], dtype=torch.float64
+                        )
+                    )
+                    row_steps_run += int(sums[1])
+                    tok_s = int(sums[1]) / max(time.perf_counter() - t0, 1e-9)
+                    metrics.append(
+                        _empty_row("train", step, step / per_epoch)
+                        | {
+                            "loss": float(sums[0] / sums[3]),
+                            "lr": lr,
+                            "grad_norm": float(grad_norm),
+                            "tokens": int(sums[2]),
+                            "row_steps": int(sums[1]),
+                            "tokens_per_s": tok_s,
+                        }
+                    )
+                    bar.set_postfix(loss=f"{metrics[-1]['loss']:.3f}")
+                    bar.update()
+                    if (replay_val or ttt_val) and (step % cfg.val_every == 0 or step == total):
+                        row = _validate(drafter, replay_val, ttt_val, target, cfg)
+                        metrics.append(_empty_row("val", step, step / per_epoch) | row)
+                        log.info(
+                            "[opd] step %d: val replay loss %s, replay acc %s, tau_sim %s",
+                            step,
+                            row.get("loss"),
+                            [round(a, 3) for a in row.get("replay_acc") or []],
+                            row.get("tau_sim"),
+                        )
+                    stopping = cfg.stop_after_steps is not None and step >= cfg.stop_after_steps
+                    if (
+                        rank == 0
+                        and (step % cfg.checkpoint_every == 0 or stopping)
+                        and step < total
+                    ):
+                        ckpt.save(
+                            step,
+                            model=drafter_tensors(drafter),
+                            optimizer=optimizer,
+                            scheduler=schedule,
+                            state={
+                                "metrics": metrics,
+                                "data_position": list(divmod(step, per_epoch)),
+                            },
+                        )
+                    if stopping and step < total:
+                        training.barrier()
+                        raise TrainingStopped(
+                            f"stopped after step {step} of {total} (stop_after_steps); "
+                            f"re-run the stage to resume from {ckpt.path(step)}"
+                        )
+                    if step >= total:
+                        break
+    finally:
+        bar.close()
+        if anchor_stream is not None:
+            anchor_stream.close()
+    seconds = time.perf_counter() - t_start
+    stall = train.wait_seconds - wait_start
+    training.barrier()
+    if rank != 0:
+        return {}
+
+    train_rows = [m for m in metrics if m["kind"] == "train"]
+    vals = [m for m in metrics if m["kind"] == "val"]
+    summary = base | {
+        "trained": True,
+        "steps": total,
+        "epochs": total / per_epoch,
+        "depth": K,
+        "train_items": len(train_items),
+        "val_items": len(val_items),
+        "train_replays": int(sum(len(index.items[i][1]) for i in train_items)),
+        "budget_row_steps": int(sum(m["row_steps"] for m in train_rows)),
+        "ce_anchor": cfg.ce_source if cfg.ce_lambda > 0 else None,
+        "final_train_loss": train_rows[-1]["loss"],
+        "validation_start": vals[0] if vals and vals[0]["step"] == 0 else None,
+        "validation": vals[-1] if vals else None,
+        "seconds_this_run": round(seconds, 2),
+        "row_steps_per_s_this_run": round(row_steps_run / max(seconds, 1e-9), 1),
+        "loader_stall_share": round(stall / max(seconds, 1e-9), 4),
+    }
+    _write_outputs(output, drafter, source, metrics, summary)
+    ckpt.clear()
+    if world_size > 1:
+        sft._wait_for_other_ranks(output, world_size)
+    return summary

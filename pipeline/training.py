@@ -1,0 +1,752 @@
+"""Building blocks of the drafter-training stages (sft, opd): data, schedule, checkpoints, DDP, metrics.
+
+- `FeatureIndex` / `FeatureLoader`: rows of memory-mapped Arrow IPC shards (ragged tensor and
+  list columns, one row = one sequence), planned into padded batches per epoch from a seed and
+  striped over ranks; a background thread builds the next batches while the step runs.
+- `holdout_split`: a deterministic validation share, keyed by row name, not by shard layout.
+- `adamw`, `WarmupCosine`: the optimizer and its linear warm-up + cosine learning-rate schedule.
+- `Checkpointer`: weights, optimizer, scheduler, RNG and loop state as safetensors + JSON
+  (never pickle), so a resumed run continues bit-for-bit where the saved one stopped.
+- DDP helpers that are no-ops in a single process (`torchrun` initialises torch.distributed).
+- `AcceptanceStats`: per-step greedy acceptance of an unrolled drafter and the simulated tau.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import queue
+import random
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from models.drafter import DraftVocab
+from models.losses import acceptance_rate, teacher_draft_probs
+from storage import Dataset, OpdError, read_tensor_column
+
+# -- distributed ---------------------------------------------------------------------------
+
+
+def distributed() -> bool:
+    """Whether torch.distributed is initialised (a `torchrun` launch), i.e. ranks must talk."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def resolve_ranks(rank: int, world_size: int) -> tuple[int, int]:
+    """(rank, world_size) of this process, checked against torch.distributed when it is up."""
+    if distributed():
+        actual = (dist.get_rank(), dist.get_world_size())
+        if (rank, world_size) not in (actual, (0, 1)):
+            raise OpdError(
+                f"the stage was given rank {rank} of {world_size} but torch.distributed says "
+                f"rank {actual[0]} of {actual[1]}: pass the process group's rank and world size"
+            )
+        return actual
+    if world_size > 1:
+        raise OpdError(
+            f"training with world_size={world_size} needs torch.distributed: launch the stage "
+            "with `torchrun --nproc-per-node N` (or call dist.init_process_group first)"
+        )
+    return rank, world_size
+
+
+def wrap_ddp(module: nn.Module) -> nn.Module:
+    """DistributedDataParallel around `module` when several ranks train, else `module` itself."""
+    if not distributed() or dist.get_world_size() == 1:
+        return module
+    device = next(module.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(module, device_ids=ids)
+
+
+def all_reduce_sum(t: Tensor) -> Tensor:
+    """Sum `t` over ranks in place (no-op in a single process); returns `t`."""
+    if distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+# -- data ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Column:
+    """One column of one record batch: values of all rows back to back, and row offsets."""
+
+    values: Tensor  # [sum T, *trailing]
+    offsets: np.ndarray  # int64 [R + 1]
+
+
+def _ragged(batch: pa.RecordBatch, name: str) -> _Column:
+    field = batch.schema.field(name)
+    column = batch.column(name)
+    if (field.metadata or {}).get(b"opd.dtype"):
+        values, offsets = read_tensor_column(column, field)
+        return _Column(values, np.asarray(offsets))
+    if not pa.types.is_list(field.type) and not pa.types.is_large_list(field.type):
+        raise OpdError(
+            f"column {name!r} is {field.type}, not a per-token column (a list or tensor column)"
+        )
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    flat = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    with warnings.catch_warnings():
+        # The mapped buffer is read-only; torch warns because it cannot enforce that.
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.from_numpy(flat)
+    return _Column(values, offsets - offsets[0])
+
+
+@dataclass
+class PaddedBatch:
+    """Right-padded rows: every column is [B, T, ...] with zeros past each row's length."""
+
+    columns: dict[str, Tensor]
+    lengths: Tensor  # [B] int64
+    rows: Tensor  # [B] row ids in the FeatureIndex
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.columns[name]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+class FeatureIndex:
+    """Every row of a dataset's IPC shards, memory-mapped, for random access by row id.
+
+    `columns` are per-token columns (list<int/float> or ragged tensor columns) that must have
+    the same length in every row; `key_column` names rows for `holdout_split`.
+    """
+
+    def __init__(self, dataset: Dataset, columns: Sequence[str], key_column: str = "seq_id"):
+        shards = dataset.shards("ipc")
+        if not shards:
+            raise OpdError(f"{dataset.ref} has no Arrow IPC shards to train on")
+        self.dataset = dataset
+        self.columns = tuple(columns)
+        self._chunks: list[dict[str, _Column]] = []
+        keys: list[str] = []
+        chunk_of, local, lengths = [], [], []
+        for shard in shards:
+            for batch in dataset.ipc_batches(shard):
+                missing = [c for c in (*self.columns, key_column) if c not in batch.schema.names]
+                if missing:
+                    raise OpdError(
+                        f"{dataset.ref} shard {shard!r} lacks columns {missing}; "
+                        f"it has {batch.schema.names}"
+                    )
+                cols = {name: _ragged(batch, name) for name in self.columns}
+                n = np.diff(cols[self.columns[0]].offsets)
+                for name, col in cols.items():
+                    if not np.array_equal(np.diff(col.offsets), n):
+                        raise OpdError(
+                            f"{dataset.ref} shard {shard!r}: column {name!r} has other row "
+                            f"lengths than {self.columns[0]!r}; the shard is malformed"
+                        )
+                chunk_of.append(np.full(len(n), len(self._chunks), np.int64))
+                local.append(np.arange(len(n), dtype=np.int64))
+                lengths.append(n)
+                keys += batch.column(key_column).to_pylist()
+                self._chunks.append(cols)
+        self._chunk_of = np.concatenate(chunk_of)
+        self._local = np.concatenate(local)
+        self.lengths = np.concatenate(lengths)
+        self.keys = [str(k) for k in keys]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def collate(self, rows: Sequence[int]) -> PaddedBatch:
+        """Copy rows into fresh right-padded tensors (zero past each length)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        lengths = self.lengths[rows]
+        width = int(lengths.max())
+        out: dict[str, Tensor] = {}
+        for name in self.columns:
+            proto = self._chunks[0][name].values
+            # Token ids become int64 here, off the training thread, since embeddings need it.
+            dtype = torch.int64 if proto.dtype == torch.int32 else proto.dtype
+            out[name] = torch.zeros(len(rows), width, *proto.shape[1:], dtype=dtype)
+        for i, row in enumerate(rows):
+            chunk = self._chunks[self._chunk_of[row]]
+            j = self._local[row]
+            for name in self.columns:
+                col = chunk[name]
+                out[name][i, : lengths[i]] = col.values[col.offsets[j] : col.offsets[j + 1]]
+        return PaddedBatch(out, torch.from_numpy(lengths.copy()), torch.from_numpy(rows))
+
+
+def holdout_split(keys: Sequence[str], share: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train rows, validation rows): the `share` of rows whose keyed hash is smallest.
+
+    Keyed by the row's name, so a row stays on its side however the shards are laid out.
+    At least one row is held out when share > 0, and at least one is left to train on.
+    """
+    if not 0 <= share < 1:
+        raise OpdError(f"validation share must be in [0, 1), got {share}")
+    n = len(keys)
+    n_val = 0 if share == 0 else max(1, round(share * n))
+    if n_val >= n:
+        raise OpdError(
+            f"holding out {n_val} of {n} sequences leaves none to train on: "
+            "lower the validation share or add data"
+        )
+    digest = [hashlib.sha256(f"{seed}:{k}".encode()).digest() for k in keys]
+    order = sorted(range(n), key=digest.__getitem__)
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def plan_batches(
+    lengths: np.ndarray,
+    rows: Sequence[int],
+    *,
+    batch_size: int,
+    max_tokens: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    world_size: int,
+    equal_ranks: bool = True,
+) -> list[list[int]]:
+    """All ranks' batches of one epoch, in order; rank r takes batches r, r + W, r + 2W, ...
+
+    A batch holds at most `batch_size` rows and `max_tokens` padded tokens (rows x longest
+    row). Shuffled rows are sorted by length inside windows of 64 batches, so a batch holds
+    similar lengths (little padding) while the data order stays random across windows. With
+    `equal_ranks` the largest batches are halved until every rank gets the same number of
+    batches: every row is still seen exactly once per epoch and DDP ranks step together.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if len(rows) == 0:
+        return []
+    longest = int(lengths[rows].max())
+    if longest > max_tokens:
+        raise OpdError(
+            f"a sequence has {longest} tokens but a batch may hold only {max_tokens}: "
+            "raise max_tokens (or truncate sequences when caching features)"
+        )
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    if shuffle:
+        rows = rows[torch.randperm(len(rows), generator=gen).numpy()]
+        window = batch_size * 64
+        rows = np.concatenate(
+            [
+                w[np.argsort(lengths[w], kind="stable")]
+                for w in np.split(rows, range(window, len(rows), window))
+            ]
+        )
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for r in rows.tolist():
+        n = int(lengths[r])
+        if current and (
+            len(current) == batch_size or max(width, n) * (len(current) + 1) > max_tokens
+        ):
+            batches.append(current)
+            current, width = [], 0
+        current.append(r)
+        width = max(width, n)
+    batches.append(current)
+    if shuffle:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+    if equal_ranks:
+        if len(rows) < world_size:
+            raise OpdError(
+                f"{len(rows)} training sequences cannot feed {world_size} ranks: "
+                "add data or use fewer ranks"
+            )
+        while len(batches) % world_size:
+            i = max(range(len(batches)), key=lambda b: len(batches[b]))
+            half = len(batches[i]) // 2
+            batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches
+
+
+_END = object()  # the producer's end-of-data marker
+
+
+class FeatureLoader:
+    """This rank's padded batches of one epoch, built ahead of time by a background thread.
+
+    Each epoch's batch plan is a pure function of (seed, epoch), so a resumed run restarts at
+    (epoch, batch index) and sees exactly the batches the interrupted run would have.
+    `wait_seconds` accumulates the time the consumer spent blocked on the next batch.
+    """
+
+    def __init__(
+        self,
+        index: FeatureIndex,
+        rows: Sequence[int],
+        *,
+        batch_size: int,
+        max_tokens: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        equal_ranks: bool = True,
+        prefetch: int = 4,
+    ):
+        if not 0 <= rank < world_size:
+            raise OpdError(f"rank {rank} is not in [0, world_size={world_size})")
+        if batch_size < 1 or max_tokens < 1 or prefetch < 1:
+            raise OpdError("batch_size, max_tokens and prefetch must be >= 1")
+        self.index = index
+        self.rows = list(rows)
+        self.batch_size, self.max_tokens = batch_size, max_tokens
+        self.seed, self.shuffle = seed, shuffle
+        self.rank, self.world_size, self.equal_ranks = rank, world_size, equal_ranks
+        self.prefetch = prefetch
+        self.wait_seconds = 0.0
+        self._len = len(self.plan(0))
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        """This rank's batches (row ids) of `epoch`."""
+        batches = plan_batches(
+            self.index.lengths,
+            self.rows,
+            batch_size=self.batch_size,
+            max_tokens=self.max_tokens,
+            seed=self.seed,
+            epoch=epoch,
+            shuffle=self.shuffle,
+            world_size=self.world_size,
+            equal_ranks=self.equal_ranks,
+        )
+        return batches[self.rank :: self.world_size]
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the same every epoch)."""
+        return self._len
+
+    def iterate(
+        self, epoch: int, start: int = 0, *, epochs: int | None = 1
+    ) -> Iterator[PaddedBatch]:
+        """Batches from batch `start` of `epoch` on, for `epochs` epochs (None = without end),
+        prefetched across epoch boundaries. Close the iterator to stop early."""
+
+        def plans() -> Iterator[list[int]]:
+            e, first = epoch, start
+            while epochs is None or e < epoch + epochs:
+                yield from self.plan(e)[first:]
+                e, first = e + 1, 0
+
+        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def put(item: object) -> None:
+            while not stop.is_set():
+                with contextlib.suppress(queue.Full):
+                    ready.put(item, timeout=0.1)
+                    return
+
+        def produce() -> None:
+            try:
+                for rows in plans():
+                    if stop.is_set():
+                        return
+                    put(self.index.collate(rows))
+                put(_END)
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                put(e)
+
+        worker = threading.Thread(target=produce, name="feature-loader", daemon=True)
+        worker.start()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = ready.get()
+                self.wait_seconds += time.perf_counter() - t0
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            worker.join()
+
+
+# -- optimisation --------------------------------------------------------------------------
+
+
+def adamw(
+    model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; norms and other 1-D parameters are not decayed."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise OpdError("the model has no trainable parameters")
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+class WarmupCosine:
+    """Linear warm-up to each group's peak lr, then a cosine down to `min_lr_ratio` x peak.
+
+    Optimizer step s (0-based) runs at peak x factor(s): (s + 1) / warmup during warm-up, then
+    the cosine, reaching exactly the minimum at the last step. Call `step()` after each
+    optimizer step. Its only state is the step count.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        total_steps: int,
+        warmup_steps: int,
+        min_lr_ratio: float,
+    ):
+        if total_steps < 1 or not 0 <= warmup_steps < max(total_steps, 2):
+            raise OpdError(
+                f"need total_steps >= 1 and 0 <= warmup_steps < total_steps, got "
+                f"{total_steps} and {warmup_steps}"
+            )
+        if not 0 <= min_lr_ratio <= 1:
+            raise OpdError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        self.optimizer = optimizer
+        self.total_steps, self.warmup_steps, self.min_lr_ratio = (
+            total_steps,
+            warmup_steps,
+            min_lr_ratio,
+        )
+        self.peaks = [group["lr"] for group in optimizer.param_groups]
+        self.steps_done = 0
+        self._apply()
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - 1 - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * progress)
+        )
+
+    def _apply(self) -> None:
+        f = self.factor(self.steps_done)
+        for group, peak in zip(self.optimizer.param_groups, self.peaks, strict=True):
+            group["lr"] = peak * f
+
+    def step(self) -> None:
+        self.steps_done += 1
+        self._apply()
+
+    @property
+    def lr(self) -> float:
+        """The first group's current learning rate (what the next optimizer step uses)."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps_done": self.steps_done, "peaks": list(self.peaks)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.steps_done = int(state["steps_done"])
+        self.peaks = [float(p) for p in state["peaks"]]
+        self._apply()
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+_CKPT_TENSORS = "tensors.safetensors"
+_CKPT_STATE = "state.json"
+_CKPT_FORMAT = 1
+
+
+@dataclass
+class Checkpoint:
+    """What `Checkpointer.load` returns; the optimizer/scheduler/RNG parts are restored by it."""
+
+    step: int
+    model: dict[str, Tensor]
+    state: dict[str, Any]  # the caller's loop state (data position, metrics so far, ...)
+
+
+def _rng_state() -> tuple[dict[str, Tensor], dict[str, Any]]:
+    tensors = {"rng/torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda/{i}"] = s
+    version, mt, gauss = random.getstate()
+    return tensors, {"python": [version, list(mt), gauss]}
+
+
+def _set_rng_state(tensors: Mapping[str, Tensor], state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(tensors["rng/torch"])
+    cuda = sorted(
+        (k for k in tensors if k.startswith("rng/cuda/")), key=lambda k: int(k.split("/")[-1])
+    )
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+
+
+def _optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    sd = optimizer.state_dict()
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, entry in sd["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors[f"optim/{idx}/{key}"] = value.detach().contiguous()
+            else:
+                scalars.setdefault(str(idx), {})[key] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optimizer_state(tensors: Mapping[str, Tensor], parts: Mapping[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        if name.startswith("optim/"):
+            _, idx, key = name.split("/", 2)
+            state.setdefault(int(idx), {})[key] = t
+    for idx, entry in parts["scalars"].items():
+        state.setdefault(int(idx), {}).update(entry)
+    return {"state": state, "param_groups": parts["param_groups"]}
+
+
+class Checkpointer:
+    """Numbered checkpoints under `directory`: `step-00000120/{tensors.safetensors, state.json}`.
+
+    Each is written into a hidden temporary directory and renamed into place, so a kill at any
+    moment leaves the previous checkpoints intact. The newest `keep` are kept.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 2):
+        if keep < 1:
+            raise OpdError(f"keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def _steps(self) -> list[int]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(
+            int(p.name[5:])
+            for p in self.directory.iterdir()
+            if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()
+        )
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step-{step:08d}"
+
+    def latest(self) -> int | None:
+        steps = self._steps()
+        return steps[-1] if steps else None
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: Mapping[str, Tensor],
+        optimizer: torch.optim.Optimizer,
+        scheduler: WarmupCosine,
+        state: Mapping[str, Any],
+    ) -> Path:
+        """Write checkpoint `step`: model tensors, optimizer, scheduler, RNG and `state` (JSON)."""
+        optim_tensors, optim_parts = _optimizer_parts(optimizer)
+        rng_tensors, rng_parts = _rng_state()
+        tensors = {f"model/{k}": v.detach().contiguous() for k, v in model.items()}
+        tensors |= optim_tensors | rng_tensors
+        doc = {
+            "format": _CKPT_FORMAT,
+            "step": step,
+            "optimizer": optim_parts,
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_parts,
+            "state": dict(state),
+        }
+        final = self.path(step)
+        tmp = self.directory / f".step-{step:08d}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / _CKPT_TENSORS))
+        (tmp / _CKPT_STATE).write_text(json.dumps(doc))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in self._steps()[: -self.keep]:
+            shutil.rmtree(self.path(old), ignore_errors=True)
+        return final
+
+    def load(
+        self,
+        step: int,
+        *,
+        optimizer: torch.optim.Optimizer,
+        scheduler: WarmupCosine,
+        restore_rng: bool = True,
+    ) -> Checkpoint:
+        """Restore optimizer, scheduler and RNG from checkpoint `step`; return its model and state."""
+        path = self.path(step)
+        try:
+            doc = json.loads((path / _CKPT_STATE).read_text())
+            tensors = load_file(str(path / _CKPT_TENSORS))
+        except (OSError, json.JSONDecodeError) as e:
+            raise OpdError(
+                f"checkpoint {path} is unreadable ({e}); delete it to resume from an earlier one"
+            ) from None
+        if doc.get("format") != _CKPT_FORMAT:
+            raise OpdError(
+                f"checkpoint {path} has format {doc.get('format')}, expected {_CKPT_FORMAT}"
+            )
+        optimizer.load_state_dict(_optimizer_state(tensors, doc["optimizer"]))
+        scheduler.load_state_dict(doc["scheduler"])
+        if restore_rng:
+            _set_rng_state(tensors, doc["rng"])
+        model = {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}
+        return Checkpoint(step=doc["step"], model=model, state=doc["state"])
+
+    def clear(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# -- validation metrics --------------------------------------------------------------------
+
+
+@dataclass
+class AcceptanceStats:
+    """Sums (so batches and ranks add up) for the greedy acceptance of an unrolled drafter.
+
+    Step k of row t drafts token x_{t+k+2}; the target's own choice there is the argmax of its
+    logits at position t+k+1. hits[k] / valid[k] is the T=0 acceptance proxy alpha_k;
+    alpha_sum[k] / valid[k] the expected T=1 acceptance sum_v min(p, q). `chain_len` adds up,
+    over rows valid at each of the first `chain_k` steps, the number of leading steps that hit:
+    the accepted length greedy speculative decoding would get from that row (steps >= 1 read
+    ground-truth tokens, which equal the drafts exactly while the chain is still accepted).
+    """
+
+    hits: Tensor  # [K] float64
+    valid: Tensor  # [K]
+    alpha_sum: Tensor  # [K]
+    chain_rows: Tensor  # []
+    chain_len: Tensor  # []
+    chain_k: int
+
+    @classmethod
+    def zeros(cls, steps: int, chain_k: int) -> AcceptanceStats:
+        z = torch.zeros(steps, dtype=torch.float64)
+        return cls(
+            z,
+            z.clone(),
+            z.clone(),
+            torch.zeros((), dtype=torch.float64),
+            torch.zeros((), dtype=torch.float64),
+            chain_k,
+        )
+
+    def __add__(self, other: AcceptanceStats) -> AcceptanceStats:
+        return AcceptanceStats(
+            self.hits + other.hits,
+            self.valid + other.valid,
+            self.alpha_sum + other.alpha_sum,
+            self.chain_rows + other.chain_rows,
+            self.chain_len + other.chain_len,
+            self.chain_k,
+        )
+
+    def all_reduce(self) -> AcceptanceStats:
+        """Sum over ranks (no-op in a single process)."""
+        flat = torch.cat(
+            [self.hits, self.valid, self.alpha_sum, self.chain_rows[None], self.chain_len[None]]
+        )
+        all_reduce_sum(flat)
+        k = len(self.hits)
+        return AcceptanceStats(
+            flat[:k], flat[k : 2 * k], flat[2 * k : 3 * k], flat[-2], flat[-1], self.chain_k
+        )
+
+    def accuracy(self) -> list[float]:
+        return (self.hits / self.valid.clamp_min(1)).tolist()
+
+    def expected_alpha(self) -> list[float]:
+        return (self.alpha_sum / self.valid.clamp_min(1)).tolist()
+
+    def summary(self) -> dict[str, Any]:
+        """Per-step accuracy and expected alpha; tau = 1 + sum_k prod_{i<=k} alpha_i over chain_k steps."""
+        k = self.chain_k
+        acc = self.hits / self.valid.clamp_min(1)
+        alpha = self.alpha_sum / self.valid.clamp_min(1)
+        return {
+            "acc": acc.tolist(),
+            "alpha": alpha.tolist(),
+            "tau_sim": float(1 + acc[:k].cumprod(0).sum()),
+            "tau_expected": float(1 + alpha[:k].cumprod(0).sum()),
+            "tau_chain": float(1 + self.chain_len / self.chain_rows.clamp_min(1)),
+        }
+
+
+@torch.no_grad()
+def ttt_acceptance(
+    step_logits: Sequence[Tensor],
+    step_valid: Sequence[Tensor],
+    target_logits: Tensor,
+    vocab: DraftVocab,
+    *,
+    chain_k: int,
+    expected: bool = True,
+) -> AcceptanceStats:
+    """AcceptanceStats of one unrolled batch.
+
+    step_logits[k] [B, T, Vd] and step_valid[k] [B, T] bool are TTT step k's outputs (row t
+    drafts x_{t+k+2}); target_logits [B, T, V] are the target's logits at every position.
+    `expected` also computes sum_v min(p, q) at T=1 (one [B, T, V] softmax per step).
+    """
+    K = len(step_logits)
+    if not 1 <= chain_k <= K:
+        raise OpdError(f"chain_k must be in [1, {K}] (the unrolled steps), got {chain_k}")
+    B, T, _ = target_logits.shape
+    stats = AcceptanceStats.zeros(K, chain_k)
+    target_choice = target_logits.argmax(-1)  # [B, T]
+    p_full = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False) if expected else None
+    chain_alive = torch.ones(B, T, dtype=torch.bool, device=target_logits.device)
+    chain_valid = torch.ones_like(chain_alive)
+    chain_len = torch.zeros(B, T, dtype=torch.float64, device=target_logits.device)
+    for k, (logits, valid) in enumerate(zip(step_logits, step_valid, strict=True)):
+        n = T - k - 1  # rows whose target position t+k+1 exists
+        hit = torch.zeros_like(valid)
+        if n > 0:
+            drafted = vocab.to_target(logits[:, :n].argmax(-1))  # [B, n]
+            hit[:, :n] = (drafted == target_choice[:, k + 1 :]) & valid[:, :n]
+            if p_full is not None:
+                q = logits[:, :n].float().softmax(-1)  # [B, n, Vd]
+                alpha = acceptance_rate(q, p_full[:, k + 1 :])  # [B, n]
+                stats.alpha_sum[k] = alpha[valid[:, :n]].double().sum()
+        stats.hits[k] = hit.sum()
+        stats.valid[k] = valid.sum()
+        if k < chain_k:
+            chain_valid &= valid
+            chain_alive &= hit
+            chain_len += chain_alive
+    stats.chain_rows = chain_valid.sum().double()
+    stats.chain_len = chain_len[chain_valid].sum()
+    return stats

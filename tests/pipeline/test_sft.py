@@ -1,0 +1,212 @@
+"""Stage `sft` end to end on tiny features from a random target."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.drafter import DraftVocab, load_drafter, shift_left, ttt_unroll
+from models.losses import teacher_draft_probs, ttt_loss
+from pipeline import features, generate, sft, training
+from pipeline.config import version_dict
+from pipeline.profiles import load_config
+from pipeline.runner import RunContext, run_stage
+from pipeline.targets import TargetConfig, TargetLoader
+from storage import OpdError, Store
+from tests.pipeline.conftest import write_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+# fp32 keeps the tiny runs fast; the resume test covers the default bf16 autocast.
+FAST = dict(batch_size=4, val_share=0.2, val_every=4, lr=3e-3, bf16=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_features(tmp_path_factory):
+    """(store, ctx, features dataset): 12 trajectories of a random 4-layer target."""
+    store = Store(tmp_path_factory.mktemp("data"))
+    cfg = load_config("tiny")
+    ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
+    prompts = write_prompts(store)
+    traj = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx).dataset
+    return store, ctx, run_stage(features, cfg.features, {"trajectories": traj}, ctx).dataset
+
+
+def test_sft_trains_and_writes_a_loadable_drafter(tiny_features):
+    store, ctx, feats = tiny_features
+    cfg = sft.Config(steps=12, **FAST)
+    ds = run_stage(sft, cfg, {"features": feats}, ctx).dataset
+    assert store.resolve("sft@latest") == ds.ref
+    assert set(ds.shards()) == set(sft.OUTPUT_FILES)
+    # the vocab map is the features' own file, byte for byte
+    assert ds.file(features.VOCAB_FILE).read_bytes() == feats.file(features.VOCAB_FILE).read_bytes()
+    assert not (store.root / "_work" / "sft" / ds.ref.version).exists()  # checkpoints cleaned up
+
+    m = pl.read_parquet(ds.file(sft.METRICS_FILE))
+    train = m.filter(pl.col("kind") == "train")
+    val = m.filter(pl.col("kind") == "val")
+    assert train["step"].to_list() == list(range(1, 13))
+    assert val["step"].to_list() == [4, 8, 12]
+    assert all(len(a) == cfg.ttt_steps for a in train["acc"].to_list())
+    losses = train["loss"].to_list()
+    assert sum(losses[-3:]) < sum(losses[:3])  # it learns
+    assert val["loss"][-1] < val["loss"][0]
+    assert train["lr"].to_list()[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio)
+    assert ds.meta["val_sequences"] == 2 and ds.meta["train_sequences"] == 10
+    assert ds.meta["validation"]["step"] == 12
+
+    # reloading the drafter from the dataset reproduces the final validation exactly
+    target = ctx.target_loader.target
+    drafter = load_drafter(ds.path, target.embed_weight)
+    assert torch.equal(drafter.d2t, load_file(feats.file(features.VOCAB_FILE))["d2t"])
+    index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    _, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
+    loader = training.FeatureLoader(
+        index, val_rows, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, shuffle=False
+    )
+    again = sft.validate(drafter, loader, target, cfg)
+    final = val.row(-1, named=True)
+    for key in ("loss", "acc", "alpha", "tau_sim", "tau_expected", "tau_chain"):
+        assert again[key] == final[key], key
+    fresh = sft.new_drafter(target, drafter.vocab, cfg.seed)
+    assert sft.validate(fresh, loader, target, cfg)["loss"] > again["loss"]
+
+    # a second run reuses the committed dataset
+    assert run_stage(sft, cfg, {"features": feats}, ctx).reused
+
+
+def test_resumed_run_matches_uninterrupted_bit_for_bit(tiny_features):
+    store, ctx, feats = tiny_features
+    cfg = sft.Config(steps=8, batch_size=4, val_share=0.2, val_every=3, ttt_steps=3, tau_k=3)
+    assert cfg.bf16  # the default autocast path must be deterministic too
+    work = store.root / "_work" / "sft"
+
+    stop = cfg.model_copy(update={"stop_after_steps": 5, "checkpoint_every": 2})
+    with pytest.raises(sft.TrainingStopped, match="after step 5"):
+        run_stage(sft, stop, {"features": feats}, ctx)
+    (version,) = [p.name for p in work.iterdir()]
+    ckpts = training.Checkpointer(work / version)
+    assert ckpts.latest() == 5
+    assert not (store.root / "sft" / version / "manifest.json").exists()  # nothing committed
+    # simulate a kill between checkpoints: the newest is lost, the run resumes from step 4
+    shutil.rmtree(ckpts.path(5))
+    resumed = run_stage(sft, cfg, {"features": feats}, ctx).dataset
+    assert resumed.ref.version == version  # the stop knob is not part of the version
+    weights = load_file(resumed.file("model.safetensors"))
+    metrics = pl.read_parquet(resumed.file(sft.METRICS_FILE))
+
+    fresh = run_stage(sft, cfg, {"features": feats}, ctx, force=True).dataset
+    fresh_weights = load_file(fresh.file("model.safetensors"))
+    assert weights.keys() == fresh_weights.keys()
+    for name, t in fresh_weights.items():
+        assert torch.equal(weights[name], t), name
+    fresh_metrics = pl.read_parquet(fresh.file(sft.METRICS_FILE))
+    cols = ["kind", "step", "loss", "lr", "grad_norm", "acc", "tau_sim", "tau_chain"]
+    assert metrics.select(cols).equals(fresh_metrics.select(cols))
+    assert len(metrics.filter(pl.col("kind") == "train")) == 8
+
+
+def test_sft_refuses_features_of_another_target(tiny_features):
+    store, _, feats = tiny_features
+    other = TargetLoader(TargetConfig(path="random", random={"seed": 1}))
+    ctx2 = RunContext(store=store, target_loader=other, progress=False)
+    complete = lambda: [r["version"] for r in store.listing() if r["complete"]]  # noqa: E731
+    before = complete()
+    with pytest.raises(OpdError, match="different target"):
+        run_stage(sft, sft.Config(steps=2, **FAST), {"features": feats}, ctx2)
+    assert complete() == before
+
+
+def test_config_is_strict_and_checked():
+    with pytest.raises(ValueError, match="tau_k"):
+        sft.Config(ttt_steps=3, tau_k=6)
+    with pytest.raises(ValueError, match="extra"):
+        sft.Config(learning_rate=1e-3)
+    # run-time knobs do not change the dataset version; training knobs do
+    base = version_dict(sft.Config())
+    assert version_dict(sft.Config(stop_after_steps=3, checkpoint_every=7, threads=1)) == base
+    assert version_dict(sft.Config(lr=1e-4)) != base
+
+
+def test_sft_loss_scores_step_k_against_the_teacher_at_t_plus_k_plus_1(tiny_features):
+    _, ctx, feats = tiny_features
+    target = ctx.target_loader.target
+    v = load_file(feats.file(features.VOCAB_FILE))
+    drafter = sft.new_drafter(target, DraftVocab(v["d2t"], v["t2d"]), seed=0)
+    index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    b = index.collate([0, 3, 5])
+    mask = b["loss_mask"].bool()
+    steps = ttt_unroll(drafter, b["aux_hidden"], b["input_ids"], steps=4, loss_mask=mask)
+    logits, valid = [s.logits for s in steps], [s.valid for s in steps]
+    teacher = teacher_draft_probs(target.logits_from_hidden(b["last_hidden"]), drafter.vocab)
+    # the reference aligns with full-size shifted copies, as models.drafter documents
+    shifted = [shift_left(teacher, k + 1) for k in range(4)]
+    torch.testing.assert_close(
+        sft.sft_loss(logits, valid, teacher, 0.8), ttt_loss(logits, shifted, valid, 0.8)
+    )
+    # and a misaligned teacher gives another value (the check can fail)
+    assert not torch.isclose(
+        sft.sft_loss(logits, valid, teacher, 0.8), ttt_loss(logits, [teacher] * 4, valid, 0.8)
+    )
+
+
+_DDP_WORKER = r"""
+import sys, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from pipeline import sft
+from pipeline.profiles import load_config
+from pipeline.runner import RunContext, run_stage
+from pipeline.targets import TargetLoader
+from storage import Store
+root, rank, port, features_ref = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+store = Store(root)
+ctx = RunContext(store=store, target_loader=TargetLoader(load_config("tiny").target), progress=False)
+cfg = sft.Config(steps=4, batch_size=4, val_share=0.2, val_every=2, bf16=False, ttt_steps=3, tau_k=3)
+res = run_stage(sft, cfg, {"features": store.open(features_ref)}, ctx, rank=rank, world_size=2)
+print("COMMITTED" if res.dataset is not None else "WAITED", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_sft_under_ddp_with_two_gloo_ranks_commits_once(tiny_features, tmp_path):
+    store, ctx, feats = tiny_features
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "worker.py"
+    script.write_text(_DDP_WORKER)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(REPO), str(store.root), str(r), port, str(feats.ref)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    # rank 0 writes everything and is the only one that commits
+    assert [o[0].strip().splitlines()[-1] for o in outs] == ["COMMITTED", "WAITED"]
+    ds = store.open("sft@latest")
+    assert set(ds.shards()) == set(sft.OUTPUT_FILES)
+    ds.verify_all()
+    m = pl.read_parquet(ds.file(sft.METRICS_FILE)).filter(pl.col("kind") == "train")
+    # 10 training rows over 2 ranks: each step's token count is summed over both ranks' batches
+    assert m["step"].to_list() == [1, 2, 3, 4]
+    index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    train_rows, _ = training.holdout_split(index.keys, 0.2, 0)
+    per_epoch = sum(int(index.lengths[r]) for r in train_rows)
+    assert sum(m["tokens"].to_list()) == 2 * per_epoch  # 4 steps = 2 epochs of 2 steps, all rows
+    assert (
+        load_drafter(ds.path, ctx.target_loader.target.embed_weight).lm_head.weight.shape[0] == 512
+    )
