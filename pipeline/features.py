@@ -102,8 +102,8 @@ def forward_batch(target, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Te
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
-    out = target(ids.to(target.device))
-    return out.aux_hidden.to(torch.bfloat16).cpu(), out.last_hidden.to(torch.bfloat16).cpu()
+    aux, last = target.forward_features(ids.to(target.device))  # no LM head: logits unused
+    return aux.to(torch.bfloat16).cpu(), last.to(torch.bfloat16).cpu()
 
 
 def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: int, world_size: int, ctx: RunContext) -> dict:
