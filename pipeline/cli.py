@@ -229,6 +229,8 @@ def eval_cmd(store: Store, drafter_ref: str, prompts_ref: str, k: int | None, te
         alpha = " ".join(f"{a:.3f}" for a in stats["alpha"])
         click.echo(f"{res.ref}  drafter={stats['drafter']}  K={stats['k']} T={stats['temperature']}")
         click.echo(f"  tau {stats['tau']:.3f}   alpha by offset [{alpha}]")
+        if "tau_untrained" in stats:
+            click.echo(f"  an untrained drafter on the same prompts: tau {stats['tau_untrained']:.3f}")
         click.echo(f"  target forwards per token {stats['target_forwards_per_token']:.4f}")
         if "speedup" in stats:
             click.echo(f"  {stats['tokens_per_s']:.1f} tok/s vs {stats['baseline_tokens_per_s']:.1f} plain ({stats['speedup']:.2f}x)")

@@ -23,6 +23,7 @@ import polars as pl
 import torch
 from pydantic import Field
 
+from models.drafter import Eagle3Drafter
 from models.speculative import SpecConfig, speculative_generate, target_generate
 from pipeline.config import StrictConfig, runtime_field
 from pipeline.drafters import load_drafter_dataset
@@ -50,6 +51,9 @@ class Config(StrictConfig):
     finish faster on CPU but hide the per-sequence speed-up."""
     seed: int = 0
     measure_baseline: bool = runtime_field(True, "time plain target decoding for the speed-up")
+    untrained_contrast: bool = True
+    """Also measure a freshly initialised drafter (same config and vocab map) on the same
+    prompts, so τ is read against what training bought."""
 
 
 def _prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
@@ -138,6 +142,12 @@ def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: in
     prompts = _prompt_ids(inputs["prompts"], cfg)
     torch.manual_seed(cfg.seed)
     out = evaluate(target, drafter, prompts, cfg, progress=ctx.progress)
+    if cfg.untrained_contrast:
+        torch.manual_seed(cfg.seed)
+        untrained = Eagle3Drafter(drafter.config, target.embed_weight, drafter.vocab).eval()
+        quick = cfg.model_copy(update={"measure_baseline": False})
+        base = evaluate(target, untrained, prompts, quick)["stats"]
+        out["stats"] |= {"tau_untrained": base["tau"], "alpha_untrained": base["alpha"]}
     output.write_parquet("steps.parquet", out["steps"].to_arrow())
     output.write_parquet("drafts.parquet", out["drafts"].to_arrow())
     stats = out["stats"]
