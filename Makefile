@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/opd run sft-chain
+	$(BIN)/opd run full
 
 test: $(STAMP)
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \

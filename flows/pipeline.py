@@ -11,6 +11,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from pipeline.export import export_chain_result
 from pipeline.chains import CHAINS, Step, record_results, run_chain, summary_markdown
 from pipeline.profiles import load_config
 from pipeline.runner import RunContext, StageResult, planned_ref, run_stage
@@ -21,6 +22,11 @@ from storage import Dataset, OpdError, Store
 @task(cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=2)
 def stage_task(step: Step, inputs: dict[str, Dataset], ctx: RunContext, force: bool) -> StageResult:
     return run_stage(step.module, step.cfg, inputs, ctx, force=force)
+
+
+@task(cache_policy=NO_CACHE, persist_result=False, task_run_name="export")
+def export_task(results: dict[str, StageResult], ctx: RunContext, k: int) -> dict | None:
+    return export_chain_result(results, ctx.target_loader, ctx.store.root, k)
 
 
 def _run_as_tasks(
@@ -77,6 +83,8 @@ def opd_pipeline(
         raise OpdError(f"unknown stage(s) {bad} for chain {chain!r}; steps: {', '.join(keys)}")
     results = _run_as_tasks(steps, ctx, {}, set(stages or []))
     record_results(ctx, run_name, results)
+    if chain == "full":
+        export_task(results, ctx, cfg.evaluate.k)
     create_markdown_artifact(
         key="opd-pipeline-summary", markdown=summary_markdown(results), description="datasets and τ"
     )

@@ -187,6 +187,13 @@ def run_cmd(store: Store, stage: str, profile: str, config_file: Path | None, se
     record_results(ctx, run_name, results)
     for key, r in results.items():
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
+    if stage == "full":
+        from pipeline.export import export_chain_result
+
+        info = export_chain_result(results, ctx.target_loader, store.root, cfg.evaluate.k)
+        if info is not None:
+            click.echo(f"export       {info['path']} (+ speculators/ beside it)")
+            click.echo(f"serve with:  {info['vllm_command']}")
 
 
 def _loader(profile: str, sets: tuple[str, ...]):

@@ -82,3 +82,16 @@ def export_drafter(
         "max_logit_diff": diff,
         "vllm_command": vllm_command(target_dir, path, k),
     }
+
+
+def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int) -> dict | None:
+    """The `export` step of the full chain: the last drafter a chain produced, in both formats,
+    under <root>/_exports/<NAME@VERSION>/. Returns the eagle3 export's info (None: no drafter)."""
+    drafters = [r.dataset for r in results.values() if r.dataset is not None and r.ref.name in ("sft", "opd")]
+    if not drafters:
+        return None
+    last = drafters[-1]
+    base = root / "_exports" / str(last.ref).replace("@", "-")
+    info = export_drafter(last, loader, "eagle3", base / "eagle3", k)
+    export_drafter(last, loader, "speculators", base / "speculators", k)
+    return info

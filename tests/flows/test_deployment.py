@@ -118,29 +118,40 @@ def test_serve_full_deployment_and_single_stage_rerun(prefect_env):
             return r.returncode == 0
         _wait(deployed, 180, "opd serve to register opd-pipeline/full")
 
-        run = _deploy_run(env, "profile=tiny", "chain=sft-chain")
+        run = _deploy_run(env, "profile=tiny", "run_name=ci")
         assert run.returncode == 0, run.stdout + run.stderr
         store = Store(root)
         first = _committed(store)
         names = {k.split("@")[0] for k in first}
-        assert names == {"prompts", "trajectories", "features", "sft", "eval"}, first
+        assert names == {
+            "prompts", "trajectories", "features", "sft", "rollouts", "replays", "opd", "eval"
+        }, first
         for ref in first:
             store.open(ref).verify_all()
+        assert list((root / "_exports").glob("opd-*/eagle3/config.json"))
+        last_rollout = store.resolve("rollouts@run:ci")  # the last round's rollout
+        produced = json.loads((root / "_runs" / "ci.json").read_text())["datasets"]
 
-        # re-run one stage on cached inputs with a changed setting: it and its dependants run
+        # re-run one stage on cached shards with a changed setting: it and its dependants run
         run = _deploy_run(
-            env, "profile=tiny", "chain=sft-chain", 'stages=["sft"]', 'overrides=["sft.lr=0.001"]'
+            env, "profile=tiny", "run_name=ci", 'stages=["score-r1"]',
+            'overrides=["score.accepted_share=0.5"]',
         )
         assert run.returncode == 0, run.stdout + run.stderr
         second = _committed(store)
-        new = {k.split("@")[0] for k in set(second) - set(first)}
-        assert new == {"sft", "eval"}, new
-        assert all(second[k] == first[k] for k in first)  # nothing upstream was rewritten
+        assert all(second[k] == first[k] for k in first)  # nothing was rewritten in place
+        rerun = json.loads((root / "_runs" / "ci.json").read_text())["datasets"]
+        changed = {k for k in produced if rerun[k] != produced[k]}
+        upstream = {"prompts", "generate", "features", "sft", "rollout-r1"}
+        assert not changed & upstream, changed
+        assert {"score-r1", "opd-r1", "rollout-r2", "score-r2", "opd-r2", "evaluate"} <= changed
+        assert last_rollout != store.resolve("rollouts@run:ci")
 
-        # a bad parameter fails the run at once, naming the parameter
-        run = _deploy_run(env, "profile=nope", "chain=sft-chain", timeout=300)
-        assert run.returncode != 0
-        assert "profile" in (run.stdout + run.stderr)
+        # bad parameters fail at once, naming the parameter
+        run = _deploy_run(env, "profile=nope", timeout=300)
+        assert run.returncode != 0 and "profile" in (run.stdout + run.stderr)
+        run = _deploy_run(env, "bogus=1", timeout=300)
+        assert run.returncode != 0 and "bogus" in (run.stdout + run.stderr)
     finally:
         _stop(served)
         serve_log.close()
