@@ -31,12 +31,22 @@ def make_trajectories(store: Store, n: int, length: int, vocab: int) -> object:
     rows = []
     for i in range(n):
         ids = torch.randint(3, vocab, (length,), generator=g).tolist()
-        rows.append({
-            "seq_id": f"s{i}", "prompt_id": f"p{i}", "input_ids": ids, "prompt_len": 16,
-            "loss_mask": [0] * 16 + [1] * (length - 16), "finish_reason": "length",
-            "temperature": 0.0, "top_p": 1.0, "seed": 0,
-        })
-    w = store.writer("trajectories", stage="bench", stage_version="1", config={"n": n, "len": length})
+        rows.append(
+            {
+                "seq_id": f"s{i}",
+                "prompt_id": f"p{i}",
+                "input_ids": ids,
+                "prompt_len": 16,
+                "loss_mask": [0] * 16 + [1] * (length - 16),
+                "finish_reason": "length",
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "seed": 0,
+            }
+        )
+    w = store.writer(
+        "trajectories", stage="bench", stage_version="1", config={"n": n, "len": length}
+    )
     with w:
         w.write_parquet("part-00000.parquet", pa.Table.from_pylist(rows, schema=generate.SCHEMA))
         return w.commit()
@@ -68,12 +78,20 @@ def main() -> None:
             t0 = time.perf_counter()
             run_stage(features, cfg, {"trajectories": traj}, ctx)
             cached.append(time.perf_counter() - t0)
-        print(json.dumps({
-            "sequences": args.sequences, "tokens_per_sequence": args.len,
-            "bare_forward_s": round(min(bare), 3), "features_stage_s": round(min(cached), 3),
-            "ratio_features_vs_bare": round(min(cached) / min(bare), 3),
-            "bare_runs_s": [round(x, 3) for x in bare], "features_runs_s": [round(x, 3) for x in cached],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "sequences": args.sequences,
+                    "tokens_per_sequence": args.len,
+                    "bare_forward_s": round(min(bare), 3),
+                    "features_stage_s": round(min(cached), 3),
+                    "ratio_features_vs_bare": round(min(cached) / min(bare), 3),
+                    "bare_runs_s": [round(x, 3) for x in bare],
+                    "features_runs_s": [round(x, 3) for x in cached],
+                },
+                indent=2,
+            )
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -2,15 +2,16 @@
 
 Writes feature shards shaped like the embedded target's through the store (hidden 256, so
 aux_hidden is 768 bf16 values a token; sequences of 96-320 tokens, like its greedy
-trajectories; vocab 4096, draft vocab `--draft-vocab`), then runs the real `sft` stage for
-`--steps` steps per precision and reports, side by side:
+trajectories; vocab 4096, each draft vocab of `--draft-vocabs`), then runs the real `sft`
+stage for `--steps` steps per draft vocab and precision and reports, side by side:
 
 - stall_share: time the step waited for its next batch / total step time (goal <= 5%);
 - sync_collate_share: what building the same batches on the training thread would cost,
   as a share of the step time (what the background thread hides);
-- tokens_per_s with bf16 autocast and (with --fp32) without, and their ratio.
+- tokens_per_s with bf16 autocast and (with --fp32) without, and the ratios between them
+  and between the draft vocab sizes.
 
-    python -m benchmarks.bench_sft_loader [--steps 30] [--rows 256] [--draft-vocab 4096] [--fp32]
+    python -m benchmarks.bench_sft_loader [--steps 30] [--rows 256] [--draft-vocabs 4096,1024] [--fp32]
 """
 
 from __future__ import annotations
@@ -99,39 +100,40 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=4096)
-    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument(
+        "--draft-vocabs", default="4096", help="comma-separated draft vocab sizes to compare"
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fp32", action="store_true", help="also time fp32 (no autocast)")
     ap.add_argument("--dir", type=Path, default=None)
     args = ap.parse_args()
+    draft_vocabs = [int(v) for v in args.draft_vocabs.split(",")]
     tmp = Path(args.dir or tempfile.mkdtemp(prefix="opd-bench-sft-"))
     try:
         store = Store(tmp)
         loader = TargetLoader(TargetConfig(path="random", random=EMBEDDED_SHAPE))
         target = loader.target
-        feats = write_features(
-            store, args.rows, target.hidden_size, target.vocab_size, args.draft_vocab
-        )
         ctx = RunContext(store=store, target_loader=loader, progress=False)
         results = {}
-        for bf16 in [True, False] if args.fp32 else [True]:
-            cfg = sft.Config(
-                steps=args.steps,
-                batch_size=args.batch_size,
-                max_tokens=args.max_tokens,
-                val_share=0.0,
-                bf16=bf16,
-                threads=args.threads,
-            )
-            meta = run_stage(sft, cfg, {"features": feats}, ctx, force=True).dataset.meta
-            results["bf16" if bf16 else "fp32"] = {
-                "tokens_per_s": meta["tokens_per_s_this_run"],
-                "stall_share": meta["loader_stall_share"],
-                "seconds": meta["seconds_this_run"],
-                "sync_collate_share": round(
-                    sync_collate_seconds(feats, cfg, args.steps) / meta["seconds_this_run"], 4
-                ),
-            }
+        for vd in draft_vocabs:
+            feats = write_features(store, args.rows, target.hidden_size, target.vocab_size, vd)
+            for bf16 in [True, False] if args.fp32 else [True]:
+                cfg = sft.Config(
+                    steps=args.steps,
+                    batch_size=args.batch_size,
+                    max_tokens=args.max_tokens,
+                    val_share=0.0,
+                    bf16=bf16,
+                    threads=args.threads,
+                )
+                meta = run_stage(sft, cfg, {"features": feats}, ctx, force=True).dataset.meta
+                sync = sync_collate_seconds(feats, cfg, args.steps)
+                results[f"{'bf16' if bf16 else 'fp32'}_vd{vd}"] = {
+                    "tokens_per_s": meta["tokens_per_s_this_run"],
+                    "stall_share": meta["loader_stall_share"],
+                    "sync_collate_share": round(sync / meta["seconds_this_run"], 4),
+                    "seconds": meta["seconds_this_run"],
+                }
         out = {
             "steps": args.steps,
             "rows": args.rows,
@@ -140,12 +142,18 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "hidden": target.hidden_size,
             "vocab": target.vocab_size,
-            "draft_vocab": args.draft_vocab,
             **results,
         }
-        if "fp32" in results:
-            out["bf16_speedup"] = round(
-                results["bf16"]["tokens_per_s"] / results["fp32"]["tokens_per_s"], 3
+        speed = {k: v["tokens_per_s"] for k, v in results.items()}
+        for vd in draft_vocabs:
+            if f"fp32_vd{vd}" in speed:
+                out[f"bf16_over_fp32_vd{vd}"] = round(
+                    speed[f"bf16_vd{vd}"] / speed[f"fp32_vd{vd}"], 3
+                )
+        if len(draft_vocabs) > 1:
+            big, small = max(draft_vocabs), min(draft_vocabs)
+            out[f"bf16_vd{small}_over_vd{big}"] = round(
+                speed[f"bf16_vd{small}"] / speed[f"bf16_vd{big}"], 3
             )
         print(json.dumps(out, indent=2))
     finally:

@@ -11,8 +11,8 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from pipeline.export import export_chain_result
 from pipeline.chains import CHAINS, Step, record_results, run_chain, summary_markdown
+from pipeline.export import export_chain_result
 from pipeline.profiles import load_config
 from pipeline.runner import RunContext, StageResult, planned_ref, run_stage
 from pipeline.targets import TargetLoader

@@ -136,17 +136,58 @@ def _setup_logging() -> None:
 
 @cli.command("run")
 @click.argument("stage")
-@click.option("--profile", default="default", show_default=True, help="Config profile (tiny, default).")
-@click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True), help="JSON config applied over the profile.")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one config value, e.g. --set sft.lr=1e-3 (repeatable).")
-@click.option("--input", "input_refs", multiple=True, metavar="ROLE=REF", help="Use this dataset for an input role instead of the latest (repeatable).")
-@click.option("--force", is_flag=True, help="Recompute the stage's output even if its version exists.")
-@click.option("--run-name", default="default", show_default=True, help="Record produced versions under this run name (NAME@run:RUN).")
-@click.option("--prefect", "use_prefect", is_flag=True, help="Run as a Prefect flow (in-process, no server needed).")
+@click.option(
+    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, exists=True),
+    help="JSON config applied over the profile.",
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config value, e.g. --set sft.lr=1e-3 (repeatable).",
+)
+@click.option(
+    "--input",
+    "input_refs",
+    multiple=True,
+    metavar="ROLE=REF",
+    help="Use this dataset for an input role instead of the latest (repeatable).",
+)
+@click.option(
+    "--force", is_flag=True, help="Recompute the stage's output even if its version exists."
+)
+@click.option(
+    "--run-name",
+    default="default",
+    show_default=True,
+    help="Record produced versions under this run name (NAME@run:RUN).",
+)
+@click.option(
+    "--prefect",
+    "use_prefect",
+    is_flag=True,
+    help="Run as a Prefect flow (in-process, no server needed).",
+)
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
 @click.pass_obj
-def run_cmd(store: Store, stage: str, profile: str, config_file: Path | None, sets: tuple[str, ...],
-            input_refs: tuple[str, ...], force: bool, run_name: str, use_prefect: bool, no_progress: bool) -> None:
+def run_cmd(
+    store: Store,
+    stage: str,
+    profile: str,
+    config_file: Path | None,
+    sets: tuple[str, ...],
+    input_refs: tuple[str, ...],
+    force: bool,
+    run_name: str,
+    use_prefect: bool,
+    no_progress: bool,
+) -> None:
     """Run one STAGE on the latest (or given) inputs, or a chain (sft-chain, full).
 
     Work whose version already exists is skipped; the produced refs are printed.
@@ -205,17 +246,39 @@ def _loader(profile: str, sets: tuple[str, ...]):
 
 
 @cli.command("eval")
-@click.option("--drafter", "drafter_ref", default="sft@latest", show_default=True, help="An sft or opd dataset.")
+@click.option(
+    "--drafter",
+    "drafter_ref",
+    default="sft@latest",
+    show_default=True,
+    help="An sft or opd dataset.",
+)
 @click.option("--prompts", "prompts_ref", default="prompts@latest", show_default=True)
-@click.option("--k", type=int, default=None, help="Drafted tokens per verify step [profile: evaluate.k].")
-@click.option("--temperature", type=float, default=None, help="Sampling temperature [profile: evaluate.temperature].")
+@click.option(
+    "--k", type=int, default=None, help="Drafted tokens per verify step [profile: evaluate.k]."
+)
+@click.option(
+    "--temperature",
+    type=float,
+    default=None,
+    help="Sampling temperature [profile: evaluate.temperature].",
+)
 @click.option("--profile", default="default", show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--force", is_flag=True, help="Re-measure even if this evaluation exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
 @click.pass_obj
-def eval_cmd(store: Store, drafter_ref: str, prompts_ref: str, k: int | None, temperature: float | None,
-             profile: str, sets: tuple[str, ...], force: bool, as_json: bool) -> None:
+def eval_cmd(
+    store: Store,
+    drafter_ref: str,
+    prompts_ref: str,
+    k: int | None,
+    temperature: float | None,
+    profile: str,
+    sets: tuple[str, ...],
+    force: bool,
+    as_json: bool,
+) -> None:
     """Measure τ, per-position acceptance and speed-up of a drafter on held-out prompts."""
     from pipeline import evaluate
     from pipeline.runner import RunContext, run_stage
@@ -234,28 +297,75 @@ def eval_cmd(store: Store, drafter_ref: str, prompts_ref: str, k: int | None, te
         click.echo(json.dumps(stats, indent=2))
     else:
         alpha = " ".join(f"{a:.3f}" for a in stats["alpha"])
-        click.echo(f"{res.ref}  drafter={stats['drafter']}  K={stats['k']} T={stats['temperature']}")
+        click.echo(
+            f"{res.ref}  drafter={stats['drafter']}  K={stats['k']} T={stats['temperature']}"
+        )
         click.echo(f"  tau {stats['tau']:.3f}   alpha by offset [{alpha}]")
         if "tau_untrained" in stats:
-            click.echo(f"  an untrained drafter on the same prompts: tau {stats['tau_untrained']:.3f}")
+            click.echo(
+                f"  an untrained drafter on the same prompts: tau {stats['tau_untrained']:.3f}"
+            )
         click.echo(f"  target forwards per token {stats['target_forwards_per_token']:.4f}")
         if "speedup" in stats:
-            click.echo(f"  {stats['tokens_per_s']:.1f} tok/s vs {stats['baseline_tokens_per_s']:.1f} plain ({stats['speedup']:.2f}x)")
+            click.echo(
+                f"  {stats['tokens_per_s']:.1f} tok/s vs {stats['baseline_tokens_per_s']:.1f} plain ({stats['speedup']:.2f}x)"
+            )
 
 
 @cli.command("analyze")
-@click.option("--input", "input_refs", multiple=True, metavar="REF", help="A rollouts or eval dataset; repeat to compare several side by side [default: latest rollouts, else latest eval].")
-@click.option("--run", "run_name", default=None, help="Compare the rollouts of every round of this run.")
-@click.option("--top", type=click.IntRange(min=1), default=20, show_default=True, help="Most rejected tokens to list.")
-@click.option("--bins", type=click.IntRange(min=2), default=10, show_default=True, help="Confidence bins for the calibration table.")
-@click.option("--position-bucket", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens per sequence-position bucket.")
-@click.option("--profile", default="default", show_default=True, help="Profile whose target's tokenizer decodes tokens.")
+@click.option(
+    "--input",
+    "input_refs",
+    multiple=True,
+    metavar="REF",
+    help="A rollouts or eval dataset; repeat to compare several side by side [default: latest rollouts, else latest eval].",
+)
+@click.option(
+    "--run", "run_name", default=None, help="Compare the rollouts of every round of this run."
+)
+@click.option(
+    "--top",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Most rejected tokens to list.",
+)
+@click.option(
+    "--bins",
+    type=click.IntRange(min=2),
+    default=10,
+    show_default=True,
+    help="Confidence bins for the calibration table.",
+)
+@click.option(
+    "--position-bucket",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Tokens per sequence-position bucket.",
+)
+@click.option(
+    "--profile",
+    default="default",
+    show_default=True,
+    help="Profile whose target's tokenizer decodes tokens.",
+)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--force", is_flag=True, help="Rebuild the report even if this version exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the headline numbers as JSON.")
 @click.pass_obj
-def analyze_cmd(store: Store, input_refs: tuple[str, ...], run_name: str | None, top: int, bins: int, position_bucket: int,
-                profile: str, sets: tuple[str, ...], force: bool, as_json: bool) -> None:
+def analyze_cmd(
+    store: Store,
+    input_refs: tuple[str, ...],
+    run_name: str | None,
+    top: int,
+    bins: int,
+    position_bucket: int,
+    profile: str,
+    sets: tuple[str, ...],
+    force: bool,
+    as_json: bool,
+) -> None:
     """Report on a rejection log: n-α, τ per sequence, calibration, top rejected tokens, rounds."""
     from pipeline import analyze
     from pipeline.runner import RunContext, run_stage
@@ -263,28 +373,58 @@ def analyze_cmd(store: Store, input_refs: tuple[str, ...], run_name: str | None,
     _, loader = _loader(profile, sets)
     inputs = analyze.resolve_sources(store, input_refs, run_name)
     cfg = analyze.Config(top_tokens=top, confidence_bins=bins, position_bucket=position_bucket)
-    res = run_stage(analyze, cfg, inputs, RunContext(store=store, target_loader=loader, progress=False), force=force)
+    res = run_stage(
+        analyze,
+        cfg,
+        inputs,
+        RunContext(store=store, target_loader=loader, progress=False),
+        force=force,
+    )
     if as_json:
-        click.echo(json.dumps(res.dataset.meta | {"report": str(res.ref), "path": str(res.dataset.path / "report.md")}, indent=2))
+        click.echo(
+            json.dumps(
+                res.dataset.meta
+                | {"report": str(res.ref), "path": str(res.dataset.path / "report.md")},
+                indent=2,
+            )
+        )
     else:
         click.echo(analyze.summary_text(res))
 
 
 @cli.command("export")
-@click.option("--drafter", "drafter_ref", default="sft@latest", show_default=True, help="An sft or opd dataset.")
-@click.option("--format", "fmt", type=click.Choice(["eagle3", "speculators"]), default="eagle3", show_default=True)
+@click.option(
+    "--drafter",
+    "drafter_ref",
+    default="sft@latest",
+    show_default=True,
+    help="An sft or opd dataset.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["eagle3", "speculators"]),
+    default="eagle3",
+    show_default=True,
+)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory to write.")
-@click.option("--k", type=int, default=6, show_default=True, help="num_speculative_tokens to serve with.")
+@click.option(
+    "--k", type=int, default=6, show_default=True, help="num_speculative_tokens to serve with."
+)
 @click.option("--profile", default="default", show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.pass_obj
-def export_cmd(store: Store, drafter_ref: str, fmt: str, out: Path, k: int, profile: str, sets: tuple[str, ...]) -> None:
+def export_cmd(
+    store: Store, drafter_ref: str, fmt: str, out: Path, k: int, profile: str, sets: tuple[str, ...]
+) -> None:
     """Write a drafter as a directory vLLM loads, and print the command that serves it."""
     from pipeline.export import export_drafter
 
     _, loader = _loader(profile, sets)
     info = export_drafter(store.open(drafter_ref), loader, fmt, out, k)  # type: ignore[arg-type]
-    click.echo(f"exported {info['drafter']} as {fmt} to {info['path']} (round trip: identical logits)")
+    click.echo(
+        f"exported {info['drafter']} as {fmt} to {info['path']} (round trip: identical logits)"
+    )
     click.echo("serve it with:")
     click.echo(f"  {info['vllm_command']}")
 
@@ -307,18 +447,61 @@ def experiment_group() -> None:
 
 
 @experiment_group.command("opd-vs-sft")
-@click.option("--profile", default="default", show_default=True, help="Config profile (tiny, default).")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one config value (repeatable).")
-@click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True, help="Seeds per arm (mean and spread over them).")
-@click.option("--budget", type=click.IntRange(min=1), default=None, help="Drafter row-steps per arm [default: --budget-ratio x the warm-up's].")
-@click.option("--budget-ratio", type=float, default=1.0, show_default=True, help="Budget per arm as a share of the SFT warm-up's row-steps.")
-@click.option("--sft-data-temperature", type=float, default=None, help="Sample the target sequences continued SFT trains on at this temperature [default: those of the first OPD rollout].")
-@click.option("--prompts", "prompts_ref", default=None, help="Use this prompts dataset instead of running the prompts stage.")
+@click.option(
+    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config value (repeatable).",
+)
+@click.option(
+    "--seeds",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Seeds per arm (mean and spread over them).",
+)
+@click.option(
+    "--budget",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Drafter row-steps per arm [default: --budget-ratio x the warm-up's].",
+)
+@click.option(
+    "--budget-ratio",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Budget per arm as a share of the SFT warm-up's row-steps.",
+)
+@click.option(
+    "--sft-data-temperature",
+    type=float,
+    default=None,
+    help="Sample the target sequences continued SFT trains on at this temperature [default: those of the first OPD rollout].",
+)
+@click.option(
+    "--prompts",
+    "prompts_ref",
+    default=None,
+    help="Use this prompts dataset instead of running the prompts stage.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 @click.pass_obj
-def opd_vs_sft_cmd(store: Store, profile: str, sets: tuple[str, ...], seeds: int, budget: int | None,
-                   budget_ratio: float, sft_data_temperature: float | None, prompts_ref: str | None,
-                   as_json: bool) -> None:
+def opd_vs_sft_cmd(
+    store: Store,
+    profile: str,
+    sets: tuple[str, ...],
+    seeds: int,
+    budget: int | None,
+    budget_ratio: float,
+    sft_data_temperature: float | None,
+    prompts_ref: str | None,
+    as_json: bool,
+) -> None:
     """From one SFT warm-up, spend the same drafter budget on continued SFT and on Draft-OPD
     rounds; compare tau on held-out prompts at T=0 and T=1.
 
@@ -330,11 +513,21 @@ def opd_vs_sft_cmd(store: Store, profile: str, sets: tuple[str, ...], seeds: int
     cfg, loader = _loader(profile, sets)
     if not as_json:
         _setup_logging()
-    ctx = RunContext(store=store, target_loader=loader, progress=not as_json,
-                     extra={"run_name": "experiment-opd-vs-sft"})
-    result = experiment.opd_vs_sft(cfg, ctx, seeds=seeds, budget=budget, budget_ratio=budget_ratio,
-                                   sft_data_temperature=sft_data_temperature,
-                                   prompts=store.open(prompts_ref) if prompts_ref else None)
+    ctx = RunContext(
+        store=store,
+        target_loader=loader,
+        progress=not as_json,
+        extra={"run_name": "experiment-opd-vs-sft"},
+    )
+    result = experiment.opd_vs_sft(
+        cfg,
+        ctx,
+        seeds=seeds,
+        budget=budget,
+        budget_ratio=budget_ratio,
+        sft_data_temperature=sft_data_temperature,
+        prompts=store.open(prompts_ref) if prompts_ref else None,
+    )
     click.echo(json.dumps(result, indent=2) if as_json else experiment.summary_text(result))
 
 

@@ -70,11 +70,15 @@ def _prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
     return rows
 
 
-def evaluate(target, drafter, prompts: list[list[int]], cfg: Config, progress: bool = False) -> dict:
+def evaluate(
+    target, drafter, prompts: list[list[int]], cfg: Config, progress: bool = False
+) -> dict:
     """Run both decoders over `prompts` in batches; return merged records, steps and stats."""
     from tqdm import tqdm
 
-    spec_cfg = SpecConfig(k=cfg.k, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    spec_cfg = SpecConfig(
+        k=cfg.k, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
+    )
     records: dict[str, list] = {}
     steps: dict[str, list] = {}
     spec_tokens = base_tokens = 0
@@ -103,7 +107,9 @@ def evaluate(target, drafter, prompts: list[list[int]], cfg: Config, progress: b
             base_s += time.perf_counter() - t0
             base_tokens += sum(len(s) for s in base.sequences)
             if cfg.temperature == 0:
-                mismatches += sum(a != b for a, b in zip(res.sequences, base.sequences, strict=True))
+                mismatches += sum(
+                    a != b for a, b in zip(res.sequences, base.sequences, strict=True)
+                )
     step_df = pl.DataFrame(steps)
     draft_df = pl.DataFrame(records)
     tau = float((step_df["accepted"] + 1).mean())
@@ -134,7 +140,14 @@ def evaluate(target, drafter, prompts: list[list[int]], cfg: Config, progress: b
     return {"steps": step_df, "drafts": draft_df, "stats": stats}
 
 
-def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: int, world_size: int, ctx: RunContext) -> dict:
+def run(
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    output: DatasetWriter,
+    rank: int,
+    world_size: int,
+    ctx: RunContext,
+) -> dict:
     if world_size != 1:
         raise OpdError("evaluate runs as one worker (it times decoding); use world_size=1")
     target = ctx.target_loader.target
@@ -153,5 +166,12 @@ def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: in
     stats = out["stats"]
     alpha = " ".join(f"{a:.2f}" for a in stats["alpha"])
     speed = f", {stats['speedup']:.2f}x plain decoding" if "speedup" in stats else ""
-    log.info("[evaluate] tau=%.3f alpha=[%s] T=%s K=%d%s", stats["tau"], alpha, cfg.temperature, cfg.k, speed)
+    log.info(
+        "[evaluate] tau=%.3f alpha=[%s] T=%s K=%d%s",
+        stats["tau"],
+        alpha,
+        cfg.temperature,
+        cfg.k,
+        speed,
+    )
     return stats | {"drafter": str(inputs["drafter"].ref)}

@@ -237,7 +237,9 @@ def _one_seed(
         f"s{seed}:sft-data", rollout, data_cfg, {"prompts": prompts, "drafter": warmup}
     )
     sft_cfg = cfg.sft.model_copy(update={"seed": seed, "lr": cfg.opd.lr, "epochs": None})
-    sft_cfg = sft_cfg.model_copy(update={"steps": sft_steps_for_budget(data, sft_cfg, budget)})
+    steps = sft_steps_for_budget(data, sft_cfg, budget)
+    # a few validations along the way show whether continued SFT still improves
+    sft_cfg = sft_cfg.model_copy(update={"steps": steps, "val_every": max(1, steps // 4)})
     cont = run.stage(f"s{seed}:sft-continued", sft, sft_cfg, {"features": data, "drafter": warmup})
 
     # (b) Draft-OPD rounds; a greedy rollout does not depend on the seed, so it is shared

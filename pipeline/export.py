@@ -32,7 +32,9 @@ def _target_dir(loader: TargetLoader) -> str:
 
 def vllm_command(target_dir: str, export_dir: Path, k: int) -> str:
     spec = {"method": "eagle3", "model": str(export_dir.resolve()), "num_speculative_tokens": k}
-    return f"vllm serve {shlex.quote(target_dir)} --speculative-config {shlex.quote(json.dumps(spec))}"
+    return (
+        f"vllm serve {shlex.quote(target_dir)} --speculative-config {shlex.quote(json.dumps(spec))}"
+    )
 
 
 @torch.no_grad()
@@ -59,13 +61,20 @@ def export_drafter(
     try:
         if fmt == "eagle3":
             path = export_eagle3(
-                drafter, target.config, out, target_identity=loader.identity,
+                drafter,
+                target.config,
+                out,
+                target_identity=loader.identity,
                 target_embed_weight=target.embed_weight,
             )
         elif fmt == "speculators":
             path = export_speculators(
-                drafter, target.config, out, verifier_name_or_path=target_dir,
-                speculative_tokens=k, target_identity=loader.identity,
+                drafter,
+                target.config,
+                out,
+                verifier_name_or_path=target_dir,
+                speculative_tokens=k,
+                target_identity=loader.identity,
                 target_embed_weight=target.embed_weight,
             )
         else:
@@ -74,7 +83,9 @@ def export_drafter(
     except ExportError as e:
         raise OpdError(f"export of {drafter_ds.ref} refused: {e}") from None
     if diff != 0.0:
-        raise OpdError(f"export of {drafter_ds.ref} does not reproduce the drafter (max logit diff {diff})")
+        raise OpdError(
+            f"export of {drafter_ds.ref} does not reproduce the drafter (max logit diff {diff})"
+        )
     return {
         "drafter": str(drafter_ds.ref),
         "format": fmt,
@@ -87,7 +98,11 @@ def export_drafter(
 def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int) -> dict | None:
     """The `export` step of the full chain: the last drafter a chain produced, in both formats,
     under <root>/_exports/<NAME@VERSION>/. Returns the eagle3 export's info (None: no drafter)."""
-    drafters = [r.dataset for r in results.values() if r.dataset is not None and r.ref.name in ("sft", "opd")]
+    drafters = [
+        r.dataset
+        for r in results.values()
+        if r.dataset is not None and r.ref.name in ("sft", "opd")
+    ]
     if not drafters:
         return None
     last = drafters[-1]

@@ -106,7 +106,14 @@ def forward_batch(target, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Te
     return aux.to(torch.bfloat16).cpu(), last.to(torch.bfloat16).cpu()
 
 
-def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: int, world_size: int, ctx: RunContext) -> dict:
+def run(
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    output: DatasetWriter,
+    rank: int,
+    world_size: int,
+    ctx: RunContext,
+) -> dict:
     traj = inputs["trajectories"]
     target = ctx.target_loader.target
     check_same_target(traj, ctx.target_loader.identity)

@@ -74,7 +74,9 @@ def select_prompts(prompts: Dataset, cfg: Config) -> list[dict]:
 
 
 @torch.no_grad()
-def generate_batch(model, pad_id: int, eos_ids: tuple[int, ...], prompts: list[list[int]], cfg: Config):
+def generate_batch(
+    model, pad_id: int, eos_ids: tuple[int, ...], prompts: list[list[int]], cfg: Config
+):
     """Left-padded batched HF `generate` with a KV cache; returns (responses, finish reasons)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -103,7 +105,14 @@ def generate_batch(model, pad_id: int, eos_ids: tuple[int, ...], prompts: list[l
     return responses, reasons
 
 
-def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: int, world_size: int, ctx: RunContext) -> dict:
+def run(
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    output: DatasetWriter,
+    rank: int,
+    world_size: int,
+    ctx: RunContext,
+) -> dict:
     prompts = select_prompts(inputs["prompts"], cfg)
     jobs = [(p, s) for p in prompts for s in range(cfg.samples_per_prompt)]
     target = ctx.target_loader.target
@@ -111,8 +120,12 @@ def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: in
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (target.eos_token_ids or (0,))[0]
     n_shards = (len(jobs) + cfg.rows_per_shard - 1) // cfg.rows_per_shard
     mine = [i for i in range(n_shards) if i % world_size == rank]
-    bar = tqdm(total=sum(min(cfg.rows_per_shard, len(jobs) - i * cfg.rows_per_shard) for i in mine),
-               desc="generate", unit="seq", disable=not ctx.progress)
+    bar = tqdm(
+        total=sum(min(cfg.rows_per_shard, len(jobs) - i * cfg.rows_per_shard) for i in mine),
+        desc="generate",
+        unit="seq",
+        disable=not ctx.progress,
+    )
     for i in mine:
         shard = f"part-{i:05d}.parquet"
         chunk = jobs[i * cfg.rows_per_shard : (i + 1) * cfg.rows_per_shard]
@@ -126,8 +139,11 @@ def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: in
         for b in range(0, len(order), cfg.batch_size):
             idx = order[b : b + cfg.batch_size]
             resp, why = generate_batch(
-                target.model, pad_id, target.eos_token_ids,
-                [chunk[j][0]["prompt_ids"] for j in idx], cfg,
+                target.model,
+                pad_id,
+                target.eos_token_ids,
+                [chunk[j][0]["prompt_ids"] for j in idx],
+                cfg,
             )
             results.update({j: (r, w) for j, r, w in zip(idx, resp, why, strict=True)})
             bar.update(len(idx))
@@ -135,17 +151,19 @@ def run(cfg: Config, inputs: dict[str, Dataset], output: DatasetWriter, rank: in
         for j, (p, s) in enumerate(chunk):
             resp, why = results[j]
             prompt_ids = list(p["prompt_ids"])
-            rows.append({
-                "seq_id": f"{p['prompt_id']}-{s}",
-                "prompt_id": p["prompt_id"],
-                "input_ids": prompt_ids + resp,
-                "prompt_len": len(prompt_ids),
-                "loss_mask": [0] * len(prompt_ids) + [1] * len(resp),
-                "finish_reason": why,
-                "temperature": cfg.temperature,
-                "top_p": cfg.top_p,
-                "seed": cfg.seed,
-            })
+            rows.append(
+                {
+                    "seq_id": f"{p['prompt_id']}-{s}",
+                    "prompt_id": p["prompt_id"],
+                    "input_ids": prompt_ids + resp,
+                    "prompt_len": len(prompt_ids),
+                    "loss_mask": [0] * len(prompt_ids) + [1] * len(resp),
+                    "finish_reason": why,
+                    "temperature": cfg.temperature,
+                    "top_p": cfg.top_p,
+                    "seed": cfg.seed,
+                }
+            )
         output.write_parquet(shard, pa.Table.from_pylist(rows, schema=SCHEMA))
     bar.close()
     return {"sequences": len(jobs), "shards": n_shards, "split": cfg.split}

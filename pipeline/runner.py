@@ -64,7 +64,9 @@ def output_version_config(module: ModuleType, cfg: StrictConfig, ctx: RunContext
     return out
 
 
-def planned_ref(module: ModuleType, cfg: StrictConfig, inputs: dict[str, Dataset], ctx: RunContext) -> DatasetRef:
+def planned_ref(
+    module: ModuleType, cfg: StrictConfig, inputs: dict[str, Dataset], ctx: RunContext
+) -> DatasetRef:
     """The exact ref this stage will produce from these inputs (no work done)."""
     return ctx.store.writer(
         module.OUTPUT,
@@ -104,7 +106,9 @@ def run_stage(
     if writer.exists():
         if not force:
             ctx.store.set_latest(writer.ref)
-            log.info("[%s] %s exists; nothing to do (use --force to recompute)", module.STAGE, writer.ref)
+            log.info(
+                "[%s] %s exists; nothing to do (use --force to recompute)", module.STAGE, writer.ref
+            )
             return StageResult(ctx.store.open(writer.ref), True, 0.0)
         # Recompute into a fresh directory; the old one comes back if the new run fails.
         aside = writer.dir.with_name(f".{writer.version}.replaced-{int(time.time())}")
@@ -115,7 +119,9 @@ def run_stage(
                 return StageResult(ctx.store.open(writer.ref), True, time.perf_counter() - t0)
             done = len(writer.completed_shards())
             if done:
-                log.info("[%s] resuming %s from %d completed shard(s)", module.STAGE, writer.ref, done)
+                log.info(
+                    "[%s] resuming %s from %d completed shard(s)", module.STAGE, writer.ref, done
+                )
             meta = module.run(cfg, inputs, writer, rank, world_size, ctx) or {}
             if world_size > 1:
                 writer.rank_done()

@@ -73,10 +73,13 @@ class TargetLoader:
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        directory = EMBEDDED_TARGET if self.cfg.path in ("embedded", "random") else Path(self.cfg.path)
-        if not (directory / "tokenizer_config.json").exists() and not (
-            directory / "tokenizer.json"
-        ).exists():
+        directory = (
+            EMBEDDED_TARGET if self.cfg.path in ("embedded", "random") else Path(self.cfg.path)
+        )
+        if (
+            not (directory / "tokenizer_config.json").exists()
+            and not (directory / "tokenizer.json").exists()
+        ):
             raise OpdError(
                 f"no tokenizer in {directory}: the target directory must hold the tokenizer "
                 "files it was trained with (tokenizer.json / tokenizer_config.json)"

@@ -276,7 +276,7 @@ class DatasetWriter:
         self.stage_version = stage_version
         self.config = config
         self.inputs = {role: str(ref) for role, ref in inputs.items()}
-        for role, ref in self.inputs.items():
+        for ref in self.inputs.values():
             DatasetRef.parse_exact(ref)  # inputs must be exact versions, never "latest"
         self.version = dataset_version(stage, stage_version, config, self.inputs)
         self.ref = DatasetRef(name, self.version)
@@ -560,7 +560,9 @@ class Store:
                 return DatasetRef(name, matches[0])
             if len(matches) > 1:
                 raise OpdError(f"{text!r} is ambiguous: {', '.join(matches)}")
-            raise DatasetNotFound(f"no {name} dataset version starting with {what!r}; see `opd ls {name}`")
+            raise DatasetNotFound(
+                f"no {name} dataset version starting with {what!r}; see `opd ls {name}`"
+            )
         raise OpdError(
             f"bad dataset ref {text!r}; expected NAME@VERSION, NAME@latest or NAME@run:RUN"
         )
@@ -619,9 +621,9 @@ class Store:
             "ref": str(ref),
             "stage": ds.manifest.get("stage"),
             "inputs": {
-                role: self.lineage(DatasetRef.parse_exact(r)) if self.exists(
-                    DatasetRef.parse_exact(r)
-                ) else {"ref": r, "missing": True}
+                role: self.lineage(DatasetRef.parse_exact(r))
+                if self.exists(DatasetRef.parse_exact(r))
+                else {"ref": r, "missing": True}
                 for role, r in ds.inputs.items()
             },
         }
@@ -651,7 +653,11 @@ class Store:
                 if not (d / MANIFEST).exists():
                     doomed.append(d)
                 else:
-                    doomed += [*d.glob("**/.*.tmp-*"), *d.glob("**/.*.meta.json"), *d.glob(".rank-*")]
+                    doomed += [
+                        *d.glob("**/.*.tmp-*"),
+                        *d.glob("**/.*.meta.json"),
+                        *d.glob(".rank-*"),
+                    ]
             for lock in (self.root / name).glob(".*.lock"):
                 v = lock.name[1:].split(".")[0]
                 if not self.dataset_dir(name, v).exists() and not self._locked(name, v):

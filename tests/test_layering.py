@@ -29,7 +29,10 @@ def test_only_flows_import_prefect():
 
 def test_imports_point_one_way():
     # flows -> pipeline -> (models, storage); models and storage never import upward.
-    for pkg, banned in (("models", {"pipeline", "flows"}), ("storage", {"pipeline", "flows", "models"})):
+    for pkg, banned in (
+        ("models", {"pipeline", "flows"}),
+        ("storage", {"pipeline", "flows", "models"}),
+    ):
         for p in _files(pkg):
             bad = _imports(p) & banned
             assert not bad, f"{p.relative_to(REPO)} imports {bad}"

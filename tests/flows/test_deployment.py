@@ -71,7 +71,10 @@ def prefect_env(tmp_path):
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         _wait(lambda: _healthy(url), 180, "the Prefect server")
@@ -89,9 +92,7 @@ def _deploy_run(env, *params: str, timeout: int = 900) -> subprocess.CompletedPr
 
 
 def _committed(store: Store) -> dict[str, str]:
-    return {
-        f"{r['name']}@{r['version']}": r["created"] for r in store.listing() if r["complete"]
-    }
+    return {f"{r['name']}@{r['version']}": r["created"] for r in store.listing() if r["complete"]}
 
 
 def test_serve_full_deployment_and_single_stage_rerun(prefect_env):
@@ -100,22 +101,31 @@ def test_serve_full_deployment_and_single_stage_rerun(prefect_env):
     # no server reachable -> a clear message
     bad = subprocess.run(
         [str(BIN / "opd"), "--root", str(root), "serve"],
-        env=env | {"PREFECT_API_URL": "http://127.0.0.1:9/api"}, capture_output=True, text=True,
+        env=env | {"PREFECT_API_URL": "http://127.0.0.1:9/api"},
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode == 2 and "prefect server start" in bad.stderr
 
     serve_log = open(tmp / "serve.log", "w")
     served = subprocess.Popen(
         [str(BIN / "opd"), "--root", str(root), "serve"],
-        env=env, stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+        stdout=serve_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
+
         def deployed() -> bool:
             r = subprocess.run(
                 [str(BIN / "prefect"), "deployment", "inspect", "opd-pipeline/full"],
-                env=env, capture_output=True, text=True,
+                env=env,
+                capture_output=True,
+                text=True,
             )
             return r.returncode == 0
+
         _wait(deployed, 180, "opd serve to register opd-pipeline/full")
 
         run = _deploy_run(env, "profile=tiny", "run_name=ci")
@@ -124,7 +134,14 @@ def test_serve_full_deployment_and_single_stage_rerun(prefect_env):
         first = _committed(store)
         names = {k.split("@")[0] for k in first}
         assert names == {
-            "prompts", "trajectories", "features", "sft", "rollouts", "replays", "opd", "eval"
+            "prompts",
+            "trajectories",
+            "features",
+            "sft",
+            "rollouts",
+            "replays",
+            "opd",
+            "eval",
         }, first
         for ref in first:
             store.open(ref).verify_all()
@@ -134,7 +151,10 @@ def test_serve_full_deployment_and_single_stage_rerun(prefect_env):
 
         # re-run one stage on cached shards with a changed setting: it and its dependants run
         run = _deploy_run(
-            env, "profile=tiny", "run_name=ci", 'stages=["score-r1"]',
+            env,
+            "profile=tiny",
+            "run_name=ci",
+            'stages=["score-r1"]',
             'overrides=["score.accepted_share=0.5"]',
         )
         assert run.returncode == 0, run.stdout + run.stderr

@@ -23,7 +23,9 @@ def write_prompts(store: Store, n_train: int = 12, n_heldout: int = 4, vocab: in
     rows = []
     for split, n in (("train", n_train), ("heldout", n_heldout)):
         for i in range(n):
-            ids = [(7 * i + 3 * j + (split == "heldout")) % (vocab - 10) + 5 for j in range(4 + i % 5)]
+            ids = [
+                (7 * i + 3 * j + (split == "heldout")) % (vocab - 10) + 5 for j in range(4 + i % 5)
+            ]
             pid = hashlib.sha256(str((split, ids)).encode()).hexdigest()[:16]
             rows.append({"prompt_id": pid, "split": split, "prompt_ids": ids})
     w = store.writer("prompts", stage="test-prompts", stage_version="1", config={"n": len(rows)})

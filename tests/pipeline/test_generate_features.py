@@ -21,7 +21,9 @@ def test_generate_greedy_matches_target_and_masks(tiny):
         p = row["input_ids"][: row["prompt_len"]]
         ref = model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0)
         assert row["input_ids"] == ref[0].tolist()[: len(row["input_ids"])]
-        assert row["loss_mask"] == [0] * row["prompt_len"] + [1] * (len(row["input_ids"]) - row["prompt_len"])
+        assert row["loss_mask"] == [0] * row["prompt_len"] + [1] * (
+            len(row["input_ids"]) - row["prompt_len"]
+        )
     # a second run is a no-op that returns the same version
     again = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx)
     assert again.reused and again.ref == res.ref
@@ -59,17 +61,27 @@ def test_features_cache_matches_a_fresh_forward(tiny):
     for shard in feats.shards("ipc"):
         table = feats.read_ipc(shard)
         aux, off = read_tensor_column(table.column("aux_hidden"), table.schema.field("aux_hidden"))
-        last, off2 = read_tensor_column(table.column("last_hidden"), table.schema.field("last_hidden"))
+        last, off2 = read_tensor_column(
+            table.column("last_hidden"), table.schema.field("last_hidden")
+        )
         assert (off == off2).all()
         for i, ids in enumerate(table.column("input_ids").to_pylist()):
             out = target(torch.tensor([ids]))
-            torch.testing.assert_close(aux[off[i] : off[i + 1]].float(), out.aux_hidden[0], atol=0.05, rtol=0.02)
+            torch.testing.assert_close(
+                aux[off[i] : off[i + 1]].float(), out.aux_hidden[0], atol=0.05, rtol=0.02
+            )
             assert torch.equal(last[off[i] : off[i + 1]], out.last_hidden[0].bfloat16())
             seen += 1
     assert seen == 12
     # the vocab map is built from loss-masked counts only
     counts = vocab["counts"]
-    df = traj.scan().select(pl.col("input_ids"), pl.col("loss_mask")).explode("input_ids", "loss_mask").filter(pl.col("loss_mask") == 1).collect()
+    df = (
+        traj.scan()
+        .select(pl.col("input_ids"), pl.col("loss_mask"))
+        .explode("input_ids", "loss_mask")
+        .filter(pl.col("loss_mask") == 1)
+        .collect()
+    )
     assert int(counts.sum()) == len(df)
 
 
@@ -82,15 +94,17 @@ def test_features_refuse_trajectories_of_another_target(tiny):
     ctx2 = RunContext(store=store, target_loader=other, progress=False)
     with pytest.raises(OpdError, match="different target"):
         run_stage(features, cfg.features, {"trajectories": traj}, ctx2)
-    assert not store.versions("features") or not any(r["complete"] for r in store.listing("features"))
+    assert not store.versions("features") or not any(
+        r["complete"] for r in store.listing("features")
+    )
 
 
 def test_generate_refuses_empty_split(tiny):
     store, ctx, cfg, prompts = tiny
     bad = cfg.generate.model_copy(update={"split": "heldout", "max_prompts": None})
     assert run_stage(generate, bad, {"prompts": prompts}, ctx).dataset.num_rows == 4
-    from tests.pipeline.conftest import write_prompts
     from storage import Store
+    from tests.pipeline.conftest import write_prompts
 
     empty_store = Store(store.root.parent / "empty")
     p = write_prompts(empty_store, n_train=0, n_heldout=2)

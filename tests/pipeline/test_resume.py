@@ -19,7 +19,10 @@ def _opd(root: Path, *args: str) -> subprocess.Popen:
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "--root", str(root), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 

@@ -59,8 +59,12 @@ class Cfg(StrictConfig):
 
 
 def test_version_ignores_key_order_and_runtime_fields():
-    a = dataset_version("sft", "1", {"a": 1, "b": {"x": 1, "y": 2}}, {"features": "features@" + "0" * 12})
-    b = dataset_version("sft", "1", {"b": {"y": 2, "x": 1}, "a": 1}, {"features": "features@" + "0" * 12})
+    a = dataset_version(
+        "sft", "1", {"a": 1, "b": {"x": 1, "y": 2}}, {"features": "features@" + "0" * 12}
+    )
+    b = dataset_version(
+        "sft", "1", {"b": {"y": 2, "x": 1}, "a": 1}, {"features": "features@" + "0" * 12}
+    )
     assert a == b and len(a) == 12
     assert version_dict(Cfg(progress=False)) == version_dict(Cfg(progress=True))
     assert "progress" not in version_dict(Cfg())
@@ -91,7 +95,9 @@ def test_commit_resolve_and_lineage(tmp_path):
     assert store.resolve("prompts@latest") == ds.ref
     assert store.resolve(f"prompts@{ds.ref.version}") == ds.ref
     assert store.resolve(f"prompts@{ds.ref.version[:6]}") == ds.ref
-    w = store.writer("trajectories", stage="generate", stage_version="1", config={}, inputs={"prompts": ds.ref})
+    w = store.writer(
+        "trajectories", stage="generate", stage_version="1", config={}, inputs={"prompts": ds.ref}
+    )
     with w:
         w.write_parquet("a.parquet", pa.table({"x": [1]}))
         traj = w.commit()
@@ -161,7 +167,9 @@ def test_unwritable_root_and_incomplete_dataset(tmp_path):
 
 def test_inputs_must_be_exact(tmp_path):
     with pytest.raises(OpdError, match="exact dataset ref"):
-        Store(tmp_path).writer("sft", stage="s", stage_version="1", config={}, inputs={"f": "features@latest"})
+        Store(tmp_path).writer(
+            "sft", stage="s", stage_version="1", config={}, inputs={"f": "features@latest"}
+        )
 
 
 # -- corruption --------------------------------------------------------------------------
@@ -317,7 +325,10 @@ def test_sliced_tensor_column_reads_the_right_rows():
 def test_tensor_column_rejects_wrong_shapes():
     field = tensor_field("h", torch.bfloat16, 8)
     with pytest.raises(OpdError, match=r"row 1: expected a \[T, 8\] bfloat16"):
-        tensor_array([torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 9, dtype=torch.bfloat16)], field)
+        tensor_array(
+            [torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 9, dtype=torch.bfloat16)],
+            field,
+        )
 
 
 def test_manifest_lists_schema_with_tensor_dtype(tmp_path):
