@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from models.drafter import default_aux_layer_ids
+
 # Architectures whose logits are exactly `lm_head(norm(h))` with a plain linear head, so that
 # `logits_from_hidden` reproduces the model's own logits (no soft-capping or logit scaling).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -376,11 +378,6 @@ def load_target(
     ).to(device)
     identity = {"path": str(path.resolve()), "weights_sha256": _files_sha256(weight_files)}
     return Target(model, aux_layer_ids=aux_layer_ids, identity=identity)
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low / mid / high layers: (2, N//2, N-3)."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 def _check_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> tuple[int, int, int]:

@@ -108,7 +108,7 @@ def full_chain(cfg: PipelineConfig) -> list[Step]:
     """prompts -> generate -> features -> sft -> [rollout-rN -> score-rN -> opd-rN] x rounds -> evaluate."""
     rounds = opd_rounds(cfg)
     final = rounds[-1].key if rounds else "sft"
-    # TODO(lead): export hook — pipeline.export.export_drafter on `final` (not a dataset stage).
+    # The export of `final` is not a dataset stage: the CLI and the flow run it after the chain.
     return [
         *sft_chain(cfg)[:-1],
         *rounds,

@@ -4,12 +4,12 @@ From ONE SFT warm-up (the full chain's own prompts -> generate -> features -> sf
 cached datasets are shared with `opd run full`), for each seed:
 
   (a) continued SFT: the `sft` stage trains on from the warm-up drafter (its optional `drafter`
-      input) on fresh target trajectories: a rollout of the training prompts (speculative
-      decoding is lossless, so these are the target's own sequences; the warm-up drafter only
-      speeds it up) whose features carry the drafter's vocab map. By default it is the very
-      rollout Draft-OPD's first round replays (same prompts, same temperature), so both arms see
-      the same sequences; `rollout.max_prompts` above `generate.max_prompts` makes them fresh,
-      and `sft_data_temperature` (e.g. 1.0) samples them instead;
+      input) on the original features plus fresh target trajectories (`more_features`): a
+      rollout (speculative decoding is lossless, so these are the target's own sequences; the
+      warm-up drafter only speeds it up) whose features carry the drafter's vocab map, over the
+      same prompts the Draft-OPD rounds draft on (with `rollout.new_prompts_each_round`, all
+      rounds' prompts at once), at the same temperature, so both arms see the same new contexts;
+      `sft_data_temperature` (e.g. 1.0) samples them instead;
   (b) Draft-OPD: `rounds` rounds of rollout -> score -> opd from the warm-up drafter.
 
 Both arms spend the same drafter budget, counted in drafter forward+backward row-steps: rows of
@@ -57,7 +57,7 @@ def sft_budget(ds: Dataset) -> int:
     return int(metrics["tokens"].sum()) * int(ds.config["stage"]["ttt_steps"])
 
 
-def sft_steps_for_budget(data: Dataset, cfg: sft.Config, budget: int) -> int:
+def sft_steps_for_budget(data: list[Dataset], cfg: sft.Config, budget: int) -> int:
     """The fewest sft optimizer steps (one rank) whose row-steps reach `budget` on `data`."""
     index = training.FeatureIndex(data, sft.FEATURE_COLUMNS)
     rows, _ = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
@@ -218,6 +218,23 @@ def _rollout_seed(temperature: float, seed: int, cfg: PipelineConfig) -> int:
     return seed if temperature > 0 else cfg.rollout.seed
 
 
+def sft_data_config(cfg: PipelineConfig, seed: int, temperature: float | None) -> rollout.Config:
+    """The rollout giving continued SFT its fresh sequences: every prompt the OPD rounds draft on."""
+    t = cfg.rollout.temperature if temperature is None else temperature
+    per_round = cfg.rollout.max_prompts
+    return cfg.rollout.model_copy(
+        update={
+            "temperature": t,
+            "seed": _rollout_seed(t, seed, cfg),
+            "round": 1,
+            "new_prompts_each_round": False,
+            "max_prompts": per_round * cfg.rounds
+            if cfg.rollout.new_prompts_each_round
+            else per_round,
+        }
+    )
+
+
 def _one_seed(
     run: _Runner,
     cfg: PipelineConfig,
@@ -229,18 +246,20 @@ def _one_seed(
     warmup: Dataset,
 ) -> dict[str, Any]:
     # (a) continued SFT on target sequences, from the warm-up drafter
-    t = cfg.rollout.temperature if sft_data_temperature is None else sft_data_temperature
-    data_cfg = cfg.rollout.model_copy(
-        update={"temperature": t, "seed": _rollout_seed(t, seed, cfg)}
-    )
+    data_cfg = sft_data_config(cfg, seed, sft_data_temperature)
     data = run.stage(
         f"s{seed}:sft-data", rollout, data_cfg, {"prompts": prompts, "drafter": warmup}
     )
     sft_cfg = cfg.sft.model_copy(update={"seed": seed, "lr": cfg.opd.lr, "epochs": None})
-    steps = sft_steps_for_budget(data, sft_cfg, budget)
+    steps = sft_steps_for_budget([data, feats], sft_cfg, budget)
     # a few validations along the way show whether continued SFT still improves
     sft_cfg = sft_cfg.model_copy(update={"steps": steps, "val_every": max(1, steps // 4)})
-    cont = run.stage(f"s{seed}:sft-continued", sft, sft_cfg, {"features": data, "drafter": warmup})
+    cont = run.stage(
+        f"s{seed}:sft-continued",
+        sft,
+        sft_cfg,
+        {"features": data, "more_features": feats, "drafter": warmup},
+    )
 
     # (b) Draft-OPD rounds; a greedy rollout does not depend on the seed, so it is shared
     per_round = max(1, round(budget / cfg.rounds))

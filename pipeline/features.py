@@ -19,7 +19,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 from pydantic import Field
+from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
+from torch import Tensor
 from tqdm import tqdm
 
 from models.drafter import DraftVocab
@@ -93,6 +95,27 @@ def check_same_target(ds: Dataset, identity: dict) -> None:
             f"{ds.ref} was made with a different target ({', '.join(f'{k}: {a} vs {b}' for k, (a, b) in diff.items())}); "
             "re-run its stage with this target, or configure the target it was made with"
         )
+
+
+def _vocab_of(ds: Dataset) -> dict[str, Tensor]:
+    try:
+        return load_file(ds.file(VOCAB_FILE))
+    except OpdError:
+        raise OpdError(
+            f"{ds.ref} has no {VOCAB_FILE}; it must carry the draft vocab map it was made with"
+        ) from None
+
+
+def check_same_vocab(reference: Dataset, others: list[Dataset]) -> None:
+    """Refuse data made with another draft-vocab map than `reference` (the map is never rebuilt)."""
+    mine = _vocab_of(reference)
+    for ds in others:
+        theirs = _vocab_of(ds)
+        if not all(torch.equal(mine[k], theirs[k]) for k in ("d2t", "t2d")):
+            raise OpdError(
+                f"{ds.ref} uses another draft-vocab map than {reference.ref}; the map is frozen "
+                "from the features stage on: make it with the same features lineage"
+            )
 
 
 @torch.no_grad()

@@ -58,17 +58,18 @@ class Config(StrictConfig):
     rows_per_shard: int = Field(256, ge=1)
 
 
-def select_prompts(prompts: Dataset, cfg: Config) -> list[dict]:
+def select_prompts(prompts: Dataset, cfg: Config, skip: int = 0) -> list[dict]:
+    """Prompts `skip` .. `skip + max_prompts` of the split, in the dataset's order."""
     import polars as pl
 
-    lf = prompts.scan().filter(pl.col("split") == cfg.split)
-    if cfg.max_prompts is not None:
-        lf = lf.head(cfg.max_prompts)
+    lf = prompts.scan().filter(pl.col("split") == cfg.split).slice(skip, cfg.max_prompts)
     rows = lf.select("prompt_id", "prompt_ids").collect().to_dicts()
     if not rows:
+        there = prompts.scan().filter(pl.col("split") == cfg.split).select(pl.len()).collect()
         raise OpdError(
-            f"{prompts.ref} has no {cfg.split!r} prompts: build prompts with that split "
-            "(`opd run prompts`) or choose another split"
+            f"{prompts.ref} has no {cfg.split!r} prompts past the first {skip} "
+            f"(it has {there.item()}): build prompts with that split (`opd run prompts`), "
+            "choose another split, or skip fewer prompts"
         )
     return rows
 

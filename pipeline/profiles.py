@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from pipeline.config import StrictConfig
 from pipeline.evaluate import Config as EvaluateConfig
 from pipeline.features import Config as FeaturesConfig
 from pipeline.generate import Config as GenerateConfig
@@ -21,7 +22,6 @@ from pipeline.prompts import PromptsConfig
 from pipeline.rollout import Config as RolloutConfig
 from pipeline.score import Config as ScoreConfig
 from pipeline.sft import Config as SFTConfig
-from pipeline.config import StrictConfig
 from pipeline.targets import TargetConfig
 from storage import OpdError
 

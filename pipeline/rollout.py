@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import polars as pl
 import pyarrow as pa
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor
 from tqdm import tqdm
 
@@ -59,7 +58,7 @@ from pipeline.drafters import load_drafter_dataset
 from pipeline.features import VOCAB_FILE, feature_schema, forward_batch
 from pipeline.generate import select_prompts
 from pipeline.runner import RunContext
-from storage import Dataset, DatasetWriter, OpdError, tensor_array
+from storage import Dataset, DatasetWriter, tensor_array
 
 OUTPUT = "rollouts"
 STAGE = "rollout"
@@ -115,7 +114,14 @@ STEPS_SCHEMA = pa.schema(
 class Config(StrictConfig):
     split: Literal["train", "heldout"] = "train"
     max_prompts: int | None = Field(None, ge=1)
-    """Use the first N prompts of the split (None = all)."""
+    """Use N prompts of the split (None = all), after `skip_prompts`."""
+    skip_prompts: int = Field(0, ge=0)
+    """Prompts of the split to skip first. Set it to the `generate` stage's max_prompts to draft
+    on contexts the SFT data never covered: at T=0 a rollout of an SFT prompt repeats its
+    trajectory token for token (decoding is lossless), so it adds no new sequence."""
+    new_prompts_each_round: bool = False
+    """Round r skips another (r - 1) x max_prompts prompts, so every Draft-OPD round drafts on
+    contexts no earlier round (or the SFT data, with skip_prompts) has seen."""
     k: int = Field(6, ge=1)
     """Drafted tokens per verify step; use the K the drafter will serve with."""
     temperature: float = Field(0.0, ge=0.0)
@@ -126,6 +132,12 @@ class Config(StrictConfig):
     round: int = Field(1, ge=1)
     """Draft-OPD round; part of the version, so each round's rollout is its own dataset."""
     rows_per_shard: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.new_prompts_each_round and self.max_prompts is None:
+            raise ValueError("new_prompts_each_round needs max_prompts (the prompts per round)")
+        return self
 
 
 @dataclass
@@ -415,16 +427,6 @@ def _write_shard(
     )
 
 
-def wait_for_ranks(output: DatasetWriter, world_size: int, timeout_s: float = 3600) -> None:
-    """Rank 0 waits for every other rank's shards, so the meta it returns covers all of them."""
-    others = list(range(1, world_size))
-    deadline = time.monotonic() + timeout_s
-    while [r for r in output.ranks_done() if r in others] != others:
-        if time.monotonic() > deadline:
-            raise OpdError(f"ranks {others} did not finish within {timeout_s:.0f}s of rank 0")
-        time.sleep(0.2)
-
-
 def summarize(output: DatasetWriter, cfg: Config) -> dict:
     """tau and alpha per offset over every shard written so far (all ranks)."""
     files = [str(output.dir / s["path"]) for s in output.completed_shards()]
@@ -460,7 +462,15 @@ def summarize(output: DatasetWriter, cfg: Config) -> dict:
         "temperature": cfg.temperature,
         "round": cfg.round,
         "split": cfg.split,
+        "first_prompt": first_prompt(cfg),
     }
+
+
+def first_prompt(cfg: Config) -> int:
+    """Index in the split of this rollout's first prompt."""
+    return cfg.skip_prompts + (
+        (cfg.round - 1) * cfg.max_prompts if cfg.new_prompts_each_round else 0
+    )
 
 
 def run(
@@ -471,7 +481,7 @@ def run(
     world_size: int,
     ctx: RunContext,
 ) -> dict:
-    prompts = select_prompts(inputs["prompts"], cfg)  # refuses an empty split
+    prompts = select_prompts(inputs["prompts"], cfg, skip=first_prompt(cfg))  # refuses none
     drafter_ds = inputs["drafter"]
     target = ctx.target_loader.target
     identity = ctx.target_loader.identity
@@ -506,7 +516,7 @@ def run(
     if rank != 0:
         return {}
     if world_size > 1:
-        wait_for_ranks(output, world_size)
+        output.wait_for_ranks()
     meta = summarize(output, cfg)
     alpha = " ".join("-" if a is None else f"{a:.2f}" for a in meta["alpha"])
     log.info(

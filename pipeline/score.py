@@ -57,7 +57,7 @@ from models.target import Target
 from pipeline.config import StrictConfig
 from pipeline.drafters import load_drafter_dataset
 from pipeline.features import VOCAB_FILE, check_same_target
-from pipeline.rollout import replay_drafts, shard_files, wait_for_ranks
+from pipeline.rollout import replay_drafts, shard_files
 from pipeline.runner import RunContext
 from storage import Dataset, DatasetWriter, OpdError, read_tensor_column, tensor_array, tensor_field
 
@@ -334,7 +334,7 @@ def run(
     if rank != 0:
         return {}
     if world_size > 1:
-        wait_for_ranks(output, world_size)
+        output.wait_for_ranks()
     meta = summarize(output, cfg)
     if meta["anchors"] == 0:
         log.warning(

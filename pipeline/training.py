@@ -52,7 +52,7 @@ def resolve_ranks(rank: int, world_size: int) -> tuple[int, int]:
     """(rank, world_size) of this process, checked against torch.distributed when it is up."""
     if distributed():
         actual = (dist.get_rank(), dist.get_world_size())
-        if (rank, world_size) not in (actual, (0, 1)):
+        if (rank, world_size) != actual:
             raise OpdError(
                 f"the stage was given rank {rank} of {world_size} but torch.distributed says "
                 f"rank {actual[0]} of {actual[1]}: pass the process group's rank and world size"
@@ -134,42 +134,52 @@ class PaddedBatch:
 
 
 class FeatureIndex:
-    """Every row of a dataset's IPC shards, memory-mapped, for random access by row id.
+    """Every row of one or more datasets' IPC shards, memory-mapped, for random access by row id.
 
     `columns` are per-token columns (list<int/float> or ragged tensor columns) that must have
-    the same length in every row; `key_column` names rows for `holdout_split`.
+    the same length in every row; `key_column` names rows for `holdout_split`. Several datasets
+    are indexed one after the other (e.g. continued SFT on the original features plus fresh
+    trajectories); equal keys across them land on the same side of a hold-out split.
     """
 
-    def __init__(self, dataset: Dataset, columns: Sequence[str], key_column: str = "seq_id"):
-        shards = dataset.shards("ipc")
-        if not shards:
-            raise OpdError(f"{dataset.ref} has no Arrow IPC shards to train on")
-        self.dataset = dataset
+    def __init__(
+        self,
+        datasets: Dataset | Sequence[Dataset],
+        columns: Sequence[str],
+        key_column: str = "seq_id",
+    ):
+        datasets = [datasets] if isinstance(datasets, Dataset) else list(datasets)
         self.columns = tuple(columns)
         self._chunks: list[dict[str, _Column]] = []
         keys: list[str] = []
         chunk_of, local, lengths = [], [], []
-        for shard in shards:
-            for batch in dataset.ipc_batches(shard):
-                missing = [c for c in (*self.columns, key_column) if c not in batch.schema.names]
-                if missing:
-                    raise OpdError(
-                        f"{dataset.ref} shard {shard!r} lacks columns {missing}; "
-                        f"it has {batch.schema.names}"
-                    )
-                cols = {name: _ragged(batch, name) for name in self.columns}
-                n = np.diff(cols[self.columns[0]].offsets)
-                for name, col in cols.items():
-                    if not np.array_equal(np.diff(col.offsets), n):
+        for dataset in datasets:
+            shards = dataset.shards("ipc")
+            if not shards:
+                raise OpdError(f"{dataset.ref} has no Arrow IPC shards to train on")
+            for shard in shards:
+                for batch in dataset.ipc_batches(shard):
+                    missing = [
+                        c for c in (*self.columns, key_column) if c not in batch.schema.names
+                    ]
+                    if missing:
                         raise OpdError(
-                            f"{dataset.ref} shard {shard!r}: column {name!r} has other row "
-                            f"lengths than {self.columns[0]!r}; the shard is malformed"
+                            f"{dataset.ref} shard {shard!r} lacks columns {missing}; "
+                            f"it has {batch.schema.names}"
                         )
-                chunk_of.append(np.full(len(n), len(self._chunks), np.int64))
-                local.append(np.arange(len(n), dtype=np.int64))
-                lengths.append(n)
-                keys += batch.column(key_column).to_pylist()
-                self._chunks.append(cols)
+                    cols = {name: _ragged(batch, name) for name in self.columns}
+                    n = np.diff(cols[self.columns[0]].offsets)
+                    for name, col in cols.items():
+                        if not np.array_equal(np.diff(col.offsets), n):
+                            raise OpdError(
+                                f"{dataset.ref} shard {shard!r}: column {name!r} has other row "
+                                f"lengths than {self.columns[0]!r}; the shard is malformed"
+                            )
+                    chunk_of.append(np.full(len(n), len(self._chunks), np.int64))
+                    local.append(np.arange(len(n), dtype=np.int64))
+                    lengths.append(n)
+                    keys += batch.column(key_column).to_pylist()
+                    self._chunks.append(cols)
         self._chunk_of = np.concatenate(chunk_of)
         self._local = np.concatenate(local)
         self.lengths = np.concatenate(lengths)
@@ -687,9 +697,6 @@ class AcceptanceStats:
 
     def accuracy(self) -> list[float]:
         return (self.hits / self.valid.clamp_min(1)).tolist()
-
-    def expected_alpha(self) -> list[float]:
-        return (self.alpha_sum / self.valid.clamp_min(1)).tolist()
 
     def summary(self) -> dict[str, Any]:
         """Per-step accuracy and expected alpha; tau = 1 + sum_k prod_{i<=k} alpha_i over chain_k steps."""

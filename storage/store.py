@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,6 +321,16 @@ class DatasetWriter:
         return sorted(
             int(p.name.split("-")[1]) for p in self.dir.glob(f".rank-*-of-{self.world_size}.done")
         )
+
+    def wait_for_ranks(self, timeout_s: float = 3600) -> None:
+        """Rank 0 waits until every other rank is done, so what it summarises or commits last
+        covers all of them."""
+        others = list(range(1, self.world_size))
+        deadline = time.monotonic() + timeout_s
+        while [r for r in self.ranks_done() if r in others] != others:
+            if time.monotonic() > deadline:
+                raise OpdError(f"ranks {others} did not finish within {timeout_s:.0f}s of rank 0")
+            time.sleep(0.1)
 
     def __exit__(self, *exc: object) -> None:
         if self._lock_fd is not None:

@@ -5,7 +5,7 @@ import json
 import polars as pl
 from click.testing import CliRunner
 
-from pipeline import experiment, sft
+from pipeline import experiment, rollout, sft
 from pipeline.cli import cli
 from pipeline.profiles import load_config
 
@@ -31,7 +31,12 @@ def test_opd_vs_sft_matches_budgets_and_reports_every_arm(tiny):
         cont, opd_arm = run["sft_continued"], run["opd"]
         # continued SFT: the fewest steps reaching the budget, from the warm-up drafter
         ds = store.open(cont["drafter"])
-        assert ds.inputs == {"features": cont["data"], "drafter": result["warmup"]["drafter"]}
+        warm = store.open(result["warmup"]["drafter"])
+        assert ds.inputs == {
+            "features": cont["data"],
+            "more_features": warm.inputs["features"],  # the original features too
+            "drafter": str(warm.ref),
+        }
         spent = pl.read_parquet(ds.file(sft.METRICS_FILE)).filter(pl.col("kind") == "train")
         last = int(spent["tokens"][-1]) * ds.config["stage"]["ttt_steps"]
         assert budget <= cont["budget_row_steps"] < budget + last
@@ -73,3 +78,32 @@ def test_opd_vs_sft_matches_budgets_and_reports_every_arm(tiny):
     assert r.exit_code == 0, r.output
     printed = json.loads(r.output)
     assert printed["tau_opd"] == result["tau_opd"] and printed["budget_row_steps"] == budget
+
+
+def test_continued_sft_data_covers_every_prompt_the_opd_rounds_draft_on():
+    cfg = load_config(
+        "tiny",
+        sets=[
+            "rounds=3",
+            "rollout.max_prompts=4",
+            "rollout.skip_prompts=2",
+            "rollout.new_prompts_each_round=true",
+        ],
+    )
+
+    def span(c: rollout.Config) -> range:
+        first = rollout.first_prompt(c)
+        return range(first, first + c.max_prompts)
+
+    rounds = [cfg.rollout.model_copy(update={"round": r}) for r in (1, 2, 3)]
+    opd_prompts = [i for c in rounds for i in span(c)]
+    data = experiment.sft_data_config(cfg, seed=1, temperature=None)
+    assert list(span(data)) == opd_prompts == list(range(2, 14))
+    assert data.temperature == cfg.rollout.temperature
+    # without new prompts each round, every round (and the SFT data) drafts on the same prompts
+    same = cfg.model_copy(
+        update={"rollout": cfg.rollout.model_copy(update={"new_prompts_each_round": False})}
+    )
+    assert list(span(experiment.sft_data_config(same, 1, None))) == list(range(2, 6))
+    sampled = experiment.sft_data_config(cfg, seed=1, temperature=1.0)
+    assert sampled.temperature == 1.0 and sampled.seed == 1

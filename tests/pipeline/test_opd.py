@@ -1,7 +1,12 @@
 """Stage `opd` (Draft-OPD training) on hand-made replays over tiny rollout features."""
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
@@ -19,7 +24,9 @@ from storage import OpdError, Store, tensor_array, tensor_field
 from tests.pipeline.conftest import write_prompts
 
 K = 3
+REPO = Path(__file__).resolve().parents[2]
 FAST = dict(batch_size=4, val_share=0.2, val_every=4, lr=3e-3, bf16=False, checkpoint_every=2)
+PURE = dict(FAST, ce_lambda=0.0)  # the replay loss alone
 
 
 def _copy_as_rollouts(store: Store, feats) -> object:
@@ -283,7 +290,7 @@ def _training_loss(drafter, index, rows, target):
 def test_opd_steps_reduce_the_loss_and_write_an_sft_shaped_drafter(world):
     store, ctx = world["store"], world["ctx"]
     target = ctx.target_loader.target
-    cfg = opd.Config(steps=10, **FAST)
+    cfg = opd.Config(steps=10, **PURE)
     ds = run_stage(opd, cfg, _inputs(world), ctx).dataset
     assert ds.ref.name == "opd" and set(ds.shards()) == set(opd.OUTPUT_FILES)
     assert not (store.root / "_work" / "opd" / ds.ref.version).exists()
@@ -318,7 +325,7 @@ def test_opd_steps_reduce_the_loss_and_write_an_sft_shaped_drafter(world):
 def test_budget_sets_the_steps_and_every_loss_and_anchor_trains(world):
     ctx = world["ctx"]
     for over, inputs in (
-        (dict(loss="expected_length", positions="reached"), {}),
+        (dict(loss="expected_length", positions="reached", ce_lambda=0.0), {}),
         (dict(loss="reverse_kl_k3", ce_lambda=0.5), {}),  # CE on the rollout's own rows
         (
             dict(loss="tv", ce_lambda=0.5, ce_source="features", ce_ttt_steps=2),
@@ -332,7 +339,7 @@ def test_budget_sets_the_steps_and_every_loss_and_anchor_trains(world):
         ]
         assert spent.sum() >= 700 > spent.sum() - spent[-1], over  # the fewest steps reaching it
         assert ds.meta["ce_anchor"] == (
-            None if "ce_lambda" not in over else ("features" if inputs else "rollouts")
+            None if over["ce_lambda"] == 0 else ("features" if inputs else "rollouts")
         )
         assert torch.isfinite(torch.tensor(ds.meta["final_train_loss"]))
 
@@ -446,3 +453,62 @@ def test_replay_outcomes_mask_unverified_and_unreached_positions():
         half, torch.full((2000,), 4), "all", torch.Generator().manual_seed(5)
     )
     assert torch.equal(a1, a2) and 0.2 < a1.float().mean() < 0.3
+
+
+_DDP_WORKER = r"""
+import sys, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from pipeline import opd
+from pipeline.profiles import load_config
+from pipeline.runner import RunContext, run_stage
+from pipeline.targets import TargetLoader
+from storage import Store
+root, rank, port = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+refs = dict(zip(("replays", "rollouts", "drafter"), sys.argv[5:8]))
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+store = Store(root)
+ctx = RunContext(store=store, target_loader=TargetLoader(load_config("tiny").target), progress=False)
+cfg = opd.Config(steps=3, batch_size=2, val_share=0.2, val_every=2, bf16=False, seed=11)
+inputs = {role: store.open(ref) for role, ref in refs.items()}
+res = run_stage(opd, cfg, inputs, ctx, rank=rank, world_size=2)
+print("COMMITTED" if res.dataset is not None else "WAITED", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_opd_under_ddp_with_two_gloo_ranks_commits_once(world, tmp_path):
+    store = world["store"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "worker.py"
+    script.write_text(_DDP_WORKER)
+    refs = [str(world[k].ref) for k in ("replays", "rollouts", "drafter")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(REPO), str(store.root), str(r), port, *refs],
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:  # a rank stuck in a collective must not outlive the test
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert [o[0].strip().splitlines()[-1] for o in outs] == ["COMMITTED", "WAITED"]
+    ds = store.open("opd@latest")
+    assert ds.meta["trained"] and ds.meta["steps"] == 3
+    m = pl.read_parquet(ds.file(opd.METRICS_FILE)).filter(pl.col("kind") == "train")
+    # each step's row-steps are summed over both ranks' batches: exactly what the plan says
+    index = opd.ReplayIndex(world["replays"], world["rollouts"], full_sequences=True)
+    _, val = training.holdout_split(index.features.keys, 0.2, 11)
+    held = {index.features.keys[i] for i in val}
+    items = [i for i, key in enumerate(index.keys) if key not in held]
+    cfg = opd.Config(steps=3, batch_size=2, seed=11)
+    plan = opd._step_costs(index.lengths, items, steps_per_row=K, epoch=0, cfg=cfg, world_size=2)
+    assert m["row_steps"].to_list() == plan[:3]

@@ -228,6 +228,31 @@ def test_empty_split_is_refused(env):
     assert not any(r["complete"] for r in empty.listing("rollouts"))
 
 
+def test_skip_and_new_prompts_each_round_select_fresh_prompts(env):
+    store, ctx, prompts, drafter = env
+    train = prompts.scan().filter(pl.col("split") == "train").collect()["prompt_id"].to_list()
+    cases = [  # (config, the prompts the rollout must draft on)
+        (dict(max_prompts=3, skip_prompts=4), train[4:7]),
+        (dict(max_prompts=3, skip_prompts=2, new_prompts_each_round=True, round=2), train[5:8]),
+        (dict(max_prompts=3, skip_prompts=2, round=2), train[2:5]),  # same prompts every round
+        (dict(max_prompts=5, skip_prompts=9), train[9:12]),  # the split ends first
+    ]
+    for over, want in cases:
+        ds = run_stage(rollout, rollout_cfg(**over), {"prompts": prompts, "drafter": drafter}, ctx)
+        files = sorted(f for f in ds.dataset.shards("parquet") if f.startswith("sequences-"))
+        seqs = pl.read_parquet([ds.dataset.file(f) for f in files])
+        assert seqs["prompt_id"].to_list() == want, over
+    with pytest.raises(OpdError, match="past the first 12"):
+        run_stage(
+            rollout,
+            rollout_cfg(max_prompts=2, skip_prompts=12),
+            {"prompts": prompts, "drafter": drafter},
+            ctx,
+        )
+    with pytest.raises(ValueError, match="new_prompts_each_round needs max_prompts"):
+        rollout_cfg(max_prompts=None, new_prompts_each_round=True)
+
+
 def test_two_ranks_write_the_same_bytes_as_one(env, greedy, tmp_path):
     store, ctx, prompts, drafter = env
     other = Store(tmp_path / "ranks")

@@ -112,6 +112,39 @@ def test_resumed_run_matches_uninterrupted_bit_for_bit(tiny_features):
     assert len(metrics.filter(pl.col("kind") == "train")) == 8
 
 
+def test_more_features_are_trained_on_and_must_share_the_vocab_map(tiny_features, tmp_path):
+    store, ctx, feats = tiny_features
+    cfg = load_config("tiny")
+    # a second features dataset of the same target: other prompts' trajectories
+    more_prompts = write_prompts(store, n_train=8, n_heldout=2, vocab=300)
+    traj = run_stage(generate, cfg.generate, {"prompts": more_prompts}, ctx).dataset
+    more = run_stage(features, cfg.features, {"trajectories": traj}, ctx).dataset
+    one = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    both = training.FeatureIndex([feats, more], sft.FEATURE_COLUMNS)
+    assert len(both) == len(one) + len(training.FeatureIndex(more, sft.FEATURE_COLUMNS))
+    assert both.keys[: len(one)] == one.keys
+
+    assert not torch.equal(  # other sequences, other token frequencies
+        load_file(more.file(features.VOCAB_FILE))["d2t"],
+        load_file(feats.file(features.VOCAB_FILE))["d2t"],
+    )
+    scfg = sft.Config(steps=2, **FAST)
+    with pytest.raises(OpdError, match="another draft-vocab map"):
+        run_stage(sft, scfg, {"features": feats, "more_features": more}, ctx)
+    # the features' own copy shares the map: rows of both are trained on
+    copy = store.writer(
+        "features", stage="copy", stage_version="1", config={}, inputs={"of": feats.ref}
+    )
+    with copy:
+        ipc = feats.shards("ipc")
+        for name in feats.shards():
+            copy.write_file(name, feats.file(name), fmt="ipc" if name in ipc else "file")
+        twin = copy.commit(meta=feats.meta)
+    ds = run_stage(sft, scfg, {"features": feats, "more_features": twin}, ctx).dataset
+    assert ds.meta["more_features"] == [str(twin.ref)]
+    assert ds.meta["train_sequences"] + ds.meta["val_sequences"] == 2 * len(one)
+
+
 def test_sft_refuses_features_of_another_target(tiny_features):
     store, _, feats = tiny_features
     other = TargetLoader(TargetConfig(path="random", random={"seed": 1}))

@@ -410,9 +410,15 @@ _DDP_WORKER = r"""
 import os, sys, json, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from pipeline import training
+from storage import OpdError
 rank, ws = int(sys.argv[2]), 2
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=rank, world_size=ws)
 assert training.resolve_ranks(rank, ws) == (rank, ws)
+try:  # a stage told it runs alone while the process group says otherwise must refuse
+    training.resolve_ranks(0, 1)
+    raise SystemExit("rank 0 of 1 was accepted inside a 2-rank process group")
+except OpdError:
+    pass
 torch.manual_seed(rank)  # DDP must broadcast rank 0's initial weights
 model = torch.nn.Linear(3, 1)
 ddp = training.wrap_ddp(model)
