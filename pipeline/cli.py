@@ -481,7 +481,8 @@ def experiment_group() -> None:
     "--sft-data-temperature",
     type=float,
     default=None,
-    help="Sample the target sequences continued SFT trains on at this temperature [default: those of the first OPD rollout].",
+    help="Sample the fresh target sequences continued SFT trains on at this temperature "
+    "[default: the OPD rollouts' temperature].",
 )
 @click.option(
     "--prompts",

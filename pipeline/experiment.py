@@ -123,7 +123,10 @@ def _evaluate(
 ) -> dict[str, float]:
     taus = {}
     for t in TEMPERATURES:
-        ecfg = cfg.evaluate.model_copy(update={"temperature": t, "measure_baseline": False})
+        # tau only: no plain-decoding timing, no untrained-drafter contrast (the warm-up is it)
+        ecfg = cfg.evaluate.model_copy(
+            update={"temperature": t, "measure_baseline": False, "untrained_contrast": False}
+        )
         taus[str(t)] = run.stage(
             f"{key}:eval-T{t}", evaluate, ecfg, {"prompts": prompts, "drafter": drafter}
         ).meta["tau"]
