@@ -118,9 +118,11 @@ def evaluate(
             base_s += time.perf_counter() - t0
             base_tokens += sum(len(s) for s in base.sequences)
             if cfg.temperature == 0:
-                for i, (a, b_) in enumerate(zip(res.sequences, base.sequences, strict=True)):
-                    if a != b_:
-                        mismatches.append(divergence(target, batch[i], a, b_) | {"prompt": b + i})
+                pairs = zip(res.sequences, base.sequences, strict=True)
+                for i, (spec, plain) in enumerate(pairs):
+                    if spec != plain:
+                        where = divergence(target, batch[i], spec, plain)
+                        mismatches.append(where | {"prompt": b + i})
     step_df = pl.DataFrame(steps)
     draft_df = pl.DataFrame(records)
     tau = float((step_df["accepted"] + 1).mean())

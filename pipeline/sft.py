@@ -2,7 +2,8 @@
 
 Consumes `features` (and the target it was made with: only its frozen embedding and LM head
 are used, never a forward); optionally a trained `drafter` to continue from and `more_features`
-(same target and vocab map, e.g. the original features beside fresh rollouts) to train on too. Produces `sft`: `model.safetensors` + `drafter_config.json` (load
+(same target and vocab map, e.g. the original features beside fresh rollouts) to train on too.
+Produces `sft`: `model.safetensors` + `drafter_config.json` (load
 with `models.drafter.load_drafter(dataset.path, target.embed_weight)`), `draft_vocab.safetensors`
 copied unchanged from the features, `metrics.parquet` (one `train` row per step, one `val` row
 per validation) and `summary.json` (the manifest's meta).
@@ -101,7 +102,7 @@ class Config(StrictConfig):
     """Passes over the training sequences; ignored when `steps` is set. Sized for the CPU
     budget: on the embedded target's 1200 greedy trajectories (238k tokens), evaluated tau (T=0,
     K=6, held-out prompts) was 2.6 after 1.5 epochs, 4.0 after 4 (draft vocab 4096), and 3.5
-    after 2 epochs with the default profile (1024-token draft vocab, aux layers 1, 3, 5; 5 min);
+    after 2 epochs with the default profile (1024-token draft vocab, aux layers 1, 3, 5; 5-7 min);
     more epochs keep helping where time allows."""
     steps: int | None = Field(None, ge=1)
     """Optimizer steps; overrides `epochs`."""
