@@ -72,6 +72,7 @@ def tiny_config(root: Path, **overrides) -> TrainConfig:
         warmup_steps=1,
         lr=1e-2,
         bf16=False,
+        compile=False,
         threads=1,
         eval_every=100,
         eval_windows=2,

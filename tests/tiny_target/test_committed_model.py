@@ -59,8 +59,8 @@ def test_size_and_quality_report():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue aim not met: the committed run (1300 steps, 5.3M tokens, on CPU shared with "
-    "other jobs) reached a held-out ratio of 0.578; needs a longer or faster (compile) run",
+    reason="issue aim not met: the committed 24-min CPU run (1400 compiled steps, 5.7M tokens) "
+    "reached a held-out ratio of 0.554; the 30-min budget on 2 cores bounds the tokens seen",
 )
 def test_heldout_loss_is_below_half_the_unigram_baseline():
     report = json.loads((MODEL_DIR / "quality.json").read_text())

@@ -92,3 +92,23 @@ def test_batches_are_a_function_of_seed_and_step():
 def test_unknown_config_key_is_an_error():
     with pytest.raises(ValueError, match="extra"):
         TrainConfig(stepz=10)
+
+
+def test_compiled_training_matches_eager(tiny_corpus, tiny_target, tmp_path):
+    # The real target trains compiled; the tiny fp32 run must follow the eager run's losses.
+    root, _ = tiny_corpus
+    _, cfg, eager = tiny_target
+    compiled = train(cfg.model_copy(update={"compile": True}), tmp_path / "o", tmp_path / "w")
+    assert compiled["eval"][-1]["val_loss"] == pytest.approx(
+        eager["eval"][-1]["val_loss"], abs=1e-3
+    )
+    assert compiled["train_loss_every_50"] == pytest.approx(eager["train_loss_every_50"], abs=1e-3)
+
+
+def test_compile_without_a_cxx_compiler_is_a_clear_error(tiny_corpus, tmp_path, monkeypatch):
+    root, _ = tiny_corpus
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ValueError, match="C\\+\\+ compiler.*compile"):
+        train(tiny_config(root, compile=True), tmp_path / "o", tmp_path / "w")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
