@@ -1,7 +1,7 @@
 """Training-step throughput of the embedded target's trainer, variants side by side.
 
-Builds the target's model from `TrainConfig` (random init, the real tokenizer size is not
-needed: vocab 4096 as in the default) and times full optimizer steps (forward, fp32 loss,
+Builds the target's model from the default `TrainConfig` and the committed tokenizer (random
+init: speed does not depend on the weights) and times full optimizer steps (forward, fp32 loss,
 backward, clip, AdamW) on random windows, for each variant in alternating rounds so host noise
 hits all of them alike. Prints tokens/s per variant and each variant's ratio to the first.
 
@@ -18,27 +18,22 @@ import json
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
-from models.tiny_target.train import TrainConfig, make_optimizer, step_loss
+from models.tiny_target.train import (
+    DEFAULT_OUT,
+    TrainConfig,
+    make_optimizer,
+    step_loss,
+    train_step,
+)
 
 VARIANTS = ("eager", "compile", "compile_loss")
 
 
-def build(cfg: TrainConfig):
+def build(cfg: TrainConfig, tokenizer) -> tuple[LlamaForCausalLM, torch.optim.Optimizer]:
     torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=True,
-        )
-    )
+    model = LlamaForCausalLM(cfg.llama_config(tokenizer))
     return model, make_optimizer(model, cfg)
 
 
@@ -51,11 +46,7 @@ def loss_fn_for(variant: str, model: torch.nn.Module):
 
 def one_step(model, loss_fn, optimizer, cfg: TrainConfig, gen: torch.Generator) -> None:
     windows = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
-    loss = loss_fn(model, windows, cfg.bf16)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    optimizer.step()
+    train_step(model, loss_fn, optimizer, windows, cfg)
 
 
 def main() -> None:
@@ -71,11 +62,12 @@ def main() -> None:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
 
     cfg = TrainConfig()
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_OUT, local_files_only=True)
     torch.set_num_threads(cfg.threads)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     runs = {}
     for name in names:
-        model, opt = build(cfg)
+        model, opt = build(cfg, tokenizer)
         loss_fn = loss_fn_for(name, model)
         gen = torch.Generator().manual_seed(0)
         t = time.perf_counter()

@@ -100,10 +100,11 @@ class TrainingStopped(OpdError):
 class Config(StrictConfig):
     epochs: float | None = Field(2.0, gt=0)
     """Passes over the training sequences; ignored when `steps` is set. Sized for the CPU
-    budget: on the embedded target's 1200 greedy trajectories (238k tokens), evaluated tau (T=0,
-    K=6, held-out prompts) was 2.6 after 1.5 epochs, 4.0 after 4 (draft vocab 4096), and 3.5
-    after 2 epochs with the default profile (1024-token draft vocab, aux layers 1, 3, 5; 5-7 min);
-    more epochs keep helping where time allows."""
+    budget: on 1200 greedy trajectories of the previous embedded target (238k tokens), evaluated
+    tau (T=0, K=6, held-out prompts) was 2.6 after 1.5 epochs, 4.0 after 4 (draft vocab 4096),
+    and 3.5 after 2 epochs with the default profile (1024-token draft vocab, aux layers 1, 3, 5;
+    5-7 min). On the current target the default profile's 2 epochs give 2.7 (5 min); more
+    epochs keep helping where time allows."""
     steps: int | None = Field(None, ge=1)
     """Optimizer steps; overrides `epochs`."""
     batch_size: int = Field(16, ge=1)

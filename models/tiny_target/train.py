@@ -103,6 +103,11 @@ class TrainConfig(BaseModel):
         )
 
 
+def has_cxx_compiler() -> bool:
+    """Whether torch inductor (compile=True) finds a C++ compiler: $CXX, g++ or c++."""
+    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++"))
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then cosine down to `min_lr_ratio * lr` exactly at the last step."""
     if step < cfg.warmup_steps:
@@ -180,6 +185,16 @@ def step_loss(model: torch.nn.Module, windows: torch.Tensor, bf16: bool) -> torc
     return next_token_loss(logits, windows[:, 1:])
 
 
+def train_step(model, loss_fn, optimizer, windows: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """One optimizer step on `windows` [B, T+1] (forward, loss, backward, clip, AdamW)."""
+    loss = loss_fn(model, windows, cfg.bf16)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return loss
+
+
 @torch.no_grad()
 def eval_loss(
     model: torch.nn.Module, ids: np.ndarray, cfg: TrainConfig, loss_fn=step_loss
@@ -240,7 +255,7 @@ def train(
     stand-in for tests); the checkpoint then holds exactly that step. Returns the training record.
     """
     out_dir, work_dir = Path(out_dir), Path(work_dir)
-    if cfg.compile and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++")):
+    if cfg.compile and not has_cxx_compiler():
         raise ValueError(
             "compile=true needs a C++ compiler for torch inductor and none is on PATH; install "
             "one (e.g. `apt install g++`) or pass --config-json '{\"compile\": false}' "
@@ -278,11 +293,7 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         windows = sample_batch(arrays["train"], cfg.batch_size, cfg.seq_len, cfg.seed, step)
-        loss = loss_fn(model, windows, cfg.bf16)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+        loss = train_step(model, loss_fn, optimizer, windows, cfg)
 
         done = step + 1
         history["train_loss"].append(round(loss.item(), 5))

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.tiny_target.train import TrainConfig, lr_at, sample_batch, train
+from models.tiny_target.train import TrainConfig, has_cxx_compiler, lr_at, sample_batch, train
 
 from .conftest import tiny_config
 
@@ -94,6 +94,7 @@ def test_unknown_config_key_is_an_error():
         TrainConfig(stepz=10)
 
 
+@pytest.mark.skipif(not has_cxx_compiler(), reason="torch inductor needs a C++ compiler")
 def test_compiled_training_matches_eager(tiny_corpus, tiny_target, tmp_path):
     # The real target trains compiled; the tiny fp32 run must follow the eager run's losses.
     root, _ = tiny_corpus
