@@ -76,7 +76,7 @@ def main() -> None:
             store = Store(tmp / f"run{r}")
             ctx = RunContext(store=store, target_loader=loader, progress=False)
             t0 = time.perf_counter()
-            run_stage(features, cfg, {"trajectories": traj}, ctx)
+            run_stage(features.STAGE, cfg, {"trajectories": traj}, ctx)
             cached.append(time.perf_counter() - t0)
         print(
             json.dumps(

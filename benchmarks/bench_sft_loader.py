@@ -126,7 +126,7 @@ def main() -> None:
                     bf16=bf16,
                     threads=args.threads,
                 )
-                meta = run_stage(sft, cfg, {"features": feats}, ctx, force=True).dataset.meta
+                meta = run_stage(sft.STAGE, cfg, {"features": feats}, ctx, force=True).dataset.meta
                 sync = sync_collate_seconds(feats, cfg, args.steps)
                 results[f"{'bf16' if bf16 else 'fp32'}_vd{vd}"] = {
                     "tokens_per_s": meta["tokens_per_s_this_run"],

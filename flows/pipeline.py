@@ -21,7 +21,7 @@ from storage import Dataset, OpdError, Store
 
 @task(cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=2)
 def stage_task(step: Step, inputs: dict[str, Dataset], ctx: RunContext, force: bool) -> StageResult:
-    return run_stage(step.module, step.cfg, inputs, ctx, force=force)
+    return run_stage(step.stage, step.cfg, inputs, ctx, force=force)
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="export")
@@ -33,7 +33,7 @@ def _run_as_tasks(
     steps: list[Step], ctx: RunContext, external: dict[str, Dataset], forced: set[str]
 ) -> dict[str, StageResult]:
     def execute(step: Step, inputs: dict[str, Dataset]) -> StageResult:
-        ref = planned_ref(step.module, step.cfg, inputs, ctx)
+        ref = planned_ref(step.stage, step.cfg, inputs, ctx)
         named = stage_task.with_options(task_run_name=f"{step.key}:{ref}")
         return named(step, inputs, ctx, step.key in forced)
 
@@ -75,7 +75,9 @@ def opd_pipeline(
     sets = list(overrides or []) + ([f"rounds={rounds}"] if rounds is not None else [])
     cfg = load_config(profile, None, sets)
     store = Store(root) if root else Store()
-    ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
+    ctx = RunContext(
+        store=store, target_loader=TargetLoader(cfg.target), progress=False, run_name=run_name
+    )
     steps = CHAINS[chain](cfg)
     keys = [s.key for s in steps]
     bad = [s for s in stages or [] if s not in keys]
@@ -84,7 +86,7 @@ def opd_pipeline(
     results = _run_as_tasks(steps, ctx, {}, set(stages or []))
     record_results(ctx, run_name, results)
     if chain == "full":
-        export_task(results, ctx, cfg.evaluate.k)
+        export_task(results, ctx, cfg.drafting.k)
     create_markdown_artifact(
         key="opd-pipeline-summary", markdown=summary_markdown(results), description="datasets and τ"
     )

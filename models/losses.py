@@ -247,3 +247,94 @@ def expected_accepted_length(alphas: Tensor, mask: Tensor | None = None) -> Tens
 def tau_from_alphas(alphas: Tensor, mask: Tensor | None = None) -> Tensor:
     """Expected tokens per target forward, tau = 1 + sum_k prod_{i<=k} alpha_i, per row [B]."""
     return 1 + expected_accepted_length(alphas, mask)
+
+
+# -- the stages' objectives, composed from the pieces above ---------------------------------
+
+
+def sft_loss(
+    step_logits: Sequence[Tensor], step_valid: Sequence[Tensor], teacher: Tensor, decay: float
+) -> Tensor:
+    """EAGLE-3 TTT soft-CE on teacher-forced rows: step k's row t is scored against the teacher
+    at position t+k+1.
+
+    step_logits[k] [B, T, Vd], step_valid[k] [B, T] bool, teacher [B, T, Vd]. Rows past T-k-2
+    have no teacher; they are never valid, so slicing them off (views, not shifted copies) is
+    exact.
+    """
+    T = teacher.shape[1]
+    spans = [max(T - k - 1, 0) for k in range(len(step_logits))]
+    return ttt_loss(
+        [logits[:, :n] for logits, n in zip(step_logits, spans, strict=True)],
+        [teacher[:, T - n :] for n in spans],
+        [valid[:, :n] for valid, n in zip(step_valid, spans, strict=True)],
+        decay,
+    )
+
+
+def ce_rollout_loss(
+    step_logits: Sequence[Tensor],
+    step_valid: Sequence[Tensor],
+    teacher: Tensor,
+    anchor_rows: Tensor,
+    decay: float,
+) -> Tensor:
+    """`sft_loss` on the rows of a replay unroll that read ground truth: every row at step 0,
+    and at later steps every row but the anchors (which read replayed tokens).
+
+    anchor_rows [B, T] bool; the rest as in `sft_loss`.
+    """
+    valid = [v if k == 0 else v & ~anchor_rows for k, v in enumerate(step_valid)]
+    return sft_loss(step_logits, valid, teacher, decay)
+
+
+ReplayLoss = Literal["draft_opd", "reverse_kl_k1", "reverse_kl_k3", "tv", "expected_length"]
+
+
+def replay_loss(
+    loss: ReplayLoss,
+    logits: Tensor,
+    target_logits: Tensor,
+    tokens: Tensor,
+    accepted: Tensor,
+    mask: Tensor,
+    vocab: DraftVocab,
+    *,
+    temperature: float,
+    gamma: float = 0.8,
+    lambda_accept: float = 1.0,
+    lambda_reject: float = 1.0,
+) -> Tensor:
+    """The Draft-OPD objective on replayed blocks.
+
+    logits [N, K, Vd]: the drafter along each replay; target_logits [N, K, V]: the target's
+    logits at the state predicting each replayed token; tokens [N, K]: the replayed target ids
+    (drafted, so inside the draft vocab); accepted, mask [N, K] bool.
+    """
+    scaled = logits / temperature
+    if loss == "draft_opd":
+        teacher = teacher_draft_probs(target_logits, vocab, temperature)
+        return draft_opd_loss(
+            scaled,
+            teacher,
+            accepted,
+            mask,
+            gamma=gamma,
+            lambda_accept=lambda_accept,
+            lambda_reject=lambda_reject,
+        )
+    if loss in ("reverse_kl_k1", "reverse_kl_k3"):
+        draft_ids = vocab.to_draft(tokens)[..., None]  # [N, K, 1]
+        logq = scaled.log_softmax(-1).gather(-1, draft_ids)[..., 0]
+        teacher = teacher_draft_probs(target_logits, vocab, temperature)
+        logp = (
+            teacher.gather(-1, draft_ids)[..., 0].clamp_min(torch.finfo(torch.float32).tiny).log()
+        )
+        return reverse_kl_sampled(logq, logp, mask, estimator=loss[-2:])
+    q = scaled.softmax(-1)
+    p_full = teacher_draft_probs(target_logits, vocab, temperature, renormalize=False)
+    if loss == "tv":
+        return masked_mean(total_variation(q, p_full), mask)
+    if loss == "expected_length":
+        return -expected_accepted_length(acceptance_rate(q, p_full), mask).mean()
+    raise ValueError(f"unknown loss {loss!r}")

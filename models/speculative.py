@@ -94,6 +94,9 @@ def speculative_generate(
     target: Target, drafter: Eagle3Drafter, prompts: list[list[int]], cfg: SpecConfig
 ) -> SpecResult:
     """Speculative decoding of `prompts` with `drafter` proposing and `target` verifying."""
+    # One long function on purpose: the draft -> verify -> accept -> retire loop shares a dozen
+    # pieces of batch state (caches, pending drafter rows, per-row budgets) that every phase
+    # updates; the phases are marked below and read top to bottom like the algorithm.
     _check_config(cfg.k, cfg.temperature, cfg.max_new_tokens)
     _check_prompts(prompts, target.vocab_size)
     _check_drafter(target, drafter)
@@ -630,3 +633,91 @@ def _stats(
         ]
         stats["reached"] = reached.tolist()
     return stats
+
+
+# -- replaying drafts from logged positions (rollout confidence, score) ----------------------
+
+
+@dataclass
+class Chains:
+    """K drafts from each of C anchors (see `replay_drafts`)."""
+
+    tokens: Tensor  # [C, K] int64 target ids
+    logq: Tensor  # [C, K] fp32 log q(token) at the temperature; 0 at T=0 (q is one-hot)
+    confidence: Tensor  # [C, K] fp32 max_v q_v, q at the temperature (at 1 when T = 0)
+
+
+@torch.no_grad()
+def replay_drafts(
+    drafter: Eagle3Drafter,
+    aux_hidden: Tensor,
+    input_ids: Tensor,
+    anchors: Tensor,
+    k: int,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    forced: Tensor | None = None,
+) -> Chains:
+    """Draft K tokens from each anchor e of one sequence, as the decoder would from prefix y<e.
+
+    aux_hidden [T, 3H_t] (target features of the sequence), input_ids [T], anchors [C] with
+    2 <= e <= T (repeat an anchor for several samples). One drafter pass runs the prefix rows
+    0..max(e)-2; chain c starts at row e_c - 2 and each later step runs all C chains as one
+    forward whose mask lets chain c see the prefix rows <= e_c - 2 and its own earlier chain keys.
+    T=0 drafts the argmax, T>0 samples q = softmax(logits / T) with `generator`. `forced` [C, K]
+    (target ids in the draft vocab) feeds given drafts instead, to score a logged block.
+    """
+    device = drafter.fc.weight.device
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)  # [T]
+    anchors = torch.as_tensor(anchors, dtype=torch.long, device=device).reshape(-1)  # [C]
+    T, C = ids.numel(), anchors.numel()
+    if aux_hidden.shape[0] != T:
+        raise ValueError(f"aux_hidden has {aux_hidden.shape[0]} rows for {T} tokens")
+    if C == 0 or k < 1:
+        raise ValueError(f"need at least one anchor and k >= 1, got {C} anchors and k={k}")
+    if int(anchors.min()) < 2 or int(anchors.max()) > T:
+        raise ValueError(
+            f"anchors must lie in [2, {T}] (anchor e needs drafter row e-2 and token e-1), "
+            f"got {anchors.min().item()}..{anchors.max().item()}"
+        )
+    vocab = drafter.vocab
+    if forced is not None:
+        forced = vocab.to_draft(torch.as_tensor(forced, dtype=torch.long, device=device))
+        if forced.shape != (C, k) or bool((forced < 0).any()):
+            raise ValueError(f"forced must be [C={C}, K={k}] target ids inside the draft vocab")
+
+    rows = anchors - 2  # [C]
+    width = int(rows.max()) + 1
+    cache = DrafterCache()
+    hidden = drafter.fuse(aux_hidden[:width].to(device)[None])  # [1, L, H]
+    positions = torch.arange(width, device=device)[None]  # [1, L]
+    logits, hidden_out = drafter(ids[None, 1 : width + 1], hidden, positions, cache=cache)
+    logits, hidden_out = logits[0, rows], hidden_out[:, rows]  # [C, Vd], [1, C, H]
+    prefix_visible = torch.arange(width, device=device)[None] <= rows[:, None]  # [C, L]
+    own = torch.eye(C, dtype=torch.bool, device=device)  # [C, C]: a chain sees only its own keys
+
+    tokens, logq, confidence = [], [], []
+    for j in range(k):
+        if j > 0:
+            mask = torch.cat([prefix_visible, own.repeat(1, j)], dim=1)[None]  # [1, C, L + C*j]
+            logits, hidden_out = drafter(
+                tokens[-1][None], hidden_out, (rows + j)[None], attention_mask=mask, cache=cache
+            )
+            logits = logits[0]  # [C, Vd]
+        log_q = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # [C, Vd]
+        if forced is not None:
+            draft = forced[:, j]
+        elif temperature == 0:
+            draft = logits.argmax(-1)
+        else:
+            draft = torch.multinomial(log_q.exp(), 1, generator=generator)[:, 0]
+        picked = log_q.gather(1, draft[:, None])[:, 0]
+        logq.append(picked if temperature > 0 else torch.zeros_like(picked))
+        confidence.append(log_q.max(-1).values.exp())
+        tokens.append(vocab.to_target(draft))  # [C]
+    return Chains(
+        tokens=torch.stack(tokens, 1),
+        logq=torch.stack(logq, 1),
+        confidence=torch.stack(confidence, 1),
+    )

@@ -33,17 +33,11 @@ from typing import Any
 import polars as pl
 from pydantic import Field
 
+from pipeline.checks import check_same_target
 from pipeline.config import StrictConfig
-from pipeline.features import check_same_target
 from pipeline.runner import RunContext, StageResult
+from pipeline.stage import Stage
 from storage import Dataset, DatasetWriter, OpdError, Store
-
-OUTPUT = "report"
-STAGE = "analyze"
-VERSION = "1"
-INPUTS = ("source",)
-"""The first log; further ones (compared side by side) come as roles `source-2`, `source-3`, ..."""
-USES_TARGET = True  # its tokenizer decodes the rejected tokens
 
 log = logging.getLogger("opd")
 
@@ -701,6 +695,7 @@ def _markdown(
     cfg: Config,
     no_confidence: list[str],
 ) -> str:
+    # Long because it is the report's template, section after section in the order it renders.
     alpha = ", ".join("–" if a is None else f"{a:.3f}" for a in meta["alpha"])
     pooled = ", pooled over all inputs (per round below)" if len(sources) > 1 else ""
     out = [
@@ -874,3 +869,17 @@ def summary_text(result: StageResult) -> str:
         lines.append(f"  most rejected: {top}")
     lines.append(f"  report: {result.dataset.path / 'report.md'}")
     return "\n".join(lines)
+
+
+STAGE = Stage(
+    name="analyze",
+    output="report",
+    version="1",
+    config=Config,
+    run=run,
+    doc="polars report on rejection logs: n-alpha, tau, calibration, top rejected tokens",
+    # The first log; further ones (compared side by side) come as `source-2`, `source-3`, ...
+    inputs={"source": SOURCE_NAMES},
+    repeated_role="source",
+    uses_target=True,  # its tokenizer decodes the rejected tokens
+)

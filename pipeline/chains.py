@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 
-from pipeline import evaluate, features, generate, opd, prompts, rollout, score, sft
+from pipeline import stages
 from pipeline.config import StrictConfig
 from pipeline.profiles import PipelineConfig
 from pipeline.runner import RunContext, StageResult, run_stage
+from pipeline.stage import Stage
 from storage import Dataset, OpdError
 
 log = logging.getLogger("opd")
@@ -23,55 +23,40 @@ log = logging.getLogger("opd")
 @dataclass
 class Step:
     key: str  # unique within the chain; also the config section for single-stage runs
-    module: ModuleType
+    stage: Stage
     cfg: StrictConfig
     inputs: dict[str, str] = field(default_factory=dict)  # role -> key of an earlier step
 
 
-def stage_modules() -> dict[str, ModuleType]:
-    """Stage name -> module, in pipeline order."""
-    return {
-        "prompts": prompts,
-        "generate": generate,
-        "features": features,
-        "sft": sft,
-        "rollout": rollout,
-        "score": score,
-        "opd": opd,
-        "evaluate": evaluate,
-    }
-
-
-# Stages repeated once per Draft-OPD round; their step keys are `<stage>-r<round>`.
-ROUND_STAGES = ("rollout", "score", "opd")
-
-
-# Which dataset a single-stage run reads for each input role when none is given.
-DEFAULT_INPUT = {"drafter": "sft"}
+def _step(key: str, cfg: PipelineConfig, inputs: dict[str, str] | None = None, **update) -> Step:
+    """Step `key` of stage `key` (or `<stage>-r<round>`), its config section updated by `update`."""
+    stage = stages.get(key.partition("-r")[0])
+    section = getattr(cfg, stage.name)
+    return Step(key, stage, section.model_copy(update=update) if update else section, inputs or {})
 
 
 def single_step(name: str, cfg: PipelineConfig) -> Step:
     """One stage by name; `rollout-r2` etc. is that round's stage (its config with round=2)."""
-    modules = stage_modules()
     stage, _, suffix = name.partition("-r")
-    if stage in ROUND_STAGES and suffix.isdigit() and int(suffix) >= 1:
-        section = getattr(cfg, stage).model_copy(update={"round": int(suffix)})
-        return Step(name, modules[stage], section)
-    if name not in modules:
+    if stage in stages.BY_NAME and stages.BY_NAME[stage].per_round:
+        if suffix.isdigit() and int(suffix) >= 1:
+            return _step(name, cfg, round=int(suffix))
+    if name not in stages.BY_NAME:
+        rounds = [s.name for s in stages.STAGES if s.per_round]
         raise OpdError(
-            f"unknown stage {name!r}; stages: {', '.join(modules)} (round stages also as "
-            f"e.g. score-r1); chains: {', '.join(CHAINS)}"
+            f"unknown stage {name!r}; stages: {', '.join(stages.BY_NAME)} (round stages "
+            f"{', '.join(rounds)} also as e.g. {rounds[0]}-r1); chains: {', '.join(CHAINS)}"
         )
-    return Step(name, modules[name], getattr(cfg, name))
+    return _step(name, cfg)
 
 
 def sft_chain(cfg: PipelineConfig) -> list[Step]:
     return [
-        Step("prompts", prompts, cfg.prompts),
-        Step("generate", generate, cfg.generate, {"prompts": "prompts"}),
-        Step("features", features, cfg.features, {"trajectories": "generate"}),
-        Step("sft", sft, cfg.sft, {"features": "features"}),
-        Step("evaluate", evaluate, cfg.evaluate, {"prompts": "prompts", "drafter": "sft"}),
+        _step("prompts", cfg),
+        _step("generate", cfg, {"prompts": "prompts"}),
+        _step("features", cfg, {"trajectories": "generate"}),
+        _step("sft", cfg, {"features": "features"}),
+        _step("evaluate", cfg, {"prompts": "prompts", "drafter": "sft"}),
     ]
 
 
@@ -86,19 +71,9 @@ def opd_rounds(cfg: PipelineConfig, drafter: str = "sft", first: int = 1) -> lis
         if cfg.opd.ce_lambda > 0 and cfg.opd.ce_source == "features":
             opd_inputs["features"] = "features"
         steps += [
-            Step(
-                f"rollout-r{r}",
-                rollout,
-                cfg.rollout.model_copy(update={"round": r}),
-                {"prompts": "prompts", "drafter": drafter},
-            ),
-            Step(
-                f"score-r{r}",
-                score,
-                cfg.score.model_copy(update={"round": r}),
-                {"rollouts": f"rollout-r{r}", "drafter": drafter},
-            ),
-            Step(f"opd-r{r}", opd, cfg.opd.model_copy(update={"round": r}), opd_inputs),
+            _step(f"rollout-r{r}", cfg, {"prompts": "prompts", "drafter": drafter}, round=r),
+            _step(f"score-r{r}", cfg, {"rollouts": f"rollout-r{r}", "drafter": drafter}, round=r),
+            _step(f"opd-r{r}", cfg, opd_inputs, round=r),
         ]
         drafter = f"opd-r{r}"
     return steps
@@ -112,7 +87,7 @@ def full_chain(cfg: PipelineConfig) -> list[Step]:
     return [
         *sft_chain(cfg)[:-1],
         *rounds,
-        Step("evaluate", evaluate, cfg.evaluate, {"prompts": "prompts", "drafter": final}),
+        _step("evaluate", cfg, {"prompts": "prompts", "drafter": final}),
     ]
 
 
@@ -146,7 +121,7 @@ def run_chain(
     available: dict[str, Dataset] = dict(external or {})
 
     def default_execute(step: Step, inputs: dict[str, Dataset]) -> StageResult:
-        return run_stage(step.module, step.cfg, inputs, ctx, force=step.key in force)
+        return run_stage(step.stage, step.cfg, inputs, ctx, force=step.key in force)
 
     execute = execute or default_execute
     for step in steps:

@@ -1,18 +1,33 @@
-"""Loading a trained drafter (an `sft` or `opd` dataset) for the target it was trained with."""
+"""Drafter datasets (`sft`, `opd`): their layout, writing one, and loading one for its target.
+
+Layout: `model.safetensors` + `drafter_config.json` (the drafter), `draft_vocab.safetensors`
+(the frozen map, byte for byte as the features stage wrote it), `metrics.parquet` (one `train`
+row per step, one `val` row per validation) and `summary.json` (the manifest's meta).
+"""
 
 from __future__ import annotations
 
-from models.drafter import Eagle3Drafter, load_drafter
-from models.target import Target
-from pipeline.features import check_same_target
-from storage import Dataset, OpdError
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
 
-DRAFTER_DATASETS = ("sft", "opd")
+import pyarrow as pa
+
+from models.drafter import CONFIG_FILE, WEIGHTS_FILE, Eagle3Drafter, load_drafter, save_drafter
+from models.target import Target
+from pipeline.checks import VOCAB_FILE, check_same_target
+from pipeline.stage import DRAFTER_KINDS
+from storage import Dataset, DatasetWriter, OpdError
+
+METRICS_FILE = "metrics.parquet"
+SUMMARY_FILE = "summary.json"
+OUTPUT_FILES = (WEIGHTS_FILE, CONFIG_FILE, VOCAB_FILE, METRICS_FILE, SUMMARY_FILE)
 
 
 def load_drafter_dataset(ds: Dataset, target: Target, identity: dict) -> Eagle3Drafter:
     """The drafter in `ds`, with the target's embedding re-attached; refuses a foreign target."""
-    if ds.ref.name not in DRAFTER_DATASETS:
+    if ds.ref.name not in DRAFTER_KINDS:
         raise OpdError(f"{ds.ref} is not a drafter; pass an sft or opd dataset (e.g. sft@latest)")
     check_same_target(ds, identity)
     ds.verify_all()
@@ -21,3 +36,34 @@ def load_drafter_dataset(ds: Dataset, target: Target, identity: dict) -> Eagle3D
     except ValueError as e:
         raise OpdError(f"{ds.ref}: {e}") from None
     return drafter.eval()
+
+
+def written_summary(output: DatasetWriter) -> dict[str, Any] | None:
+    """The summary of a drafter dataset whose files are all written (only the commit was
+    missing when the stage stopped), else None."""
+    if all(output.has_shard(f) for f in OUTPUT_FILES):
+        return json.loads((output.dir / SUMMARY_FILE).read_text())
+    return None
+
+
+def write_drafter_dataset(
+    output: DatasetWriter,
+    drafter: Eagle3Drafter | Dataset,
+    vocab_from: Dataset,
+    metrics: list[dict[str, Any]],
+    schema: pa.Schema,
+    summary: dict[str, Any],
+) -> None:
+    """Write every file of the layout; `drafter` is a trained module, or a drafter dataset
+    whose files are copied byte for byte (a stage that had nothing to train on)."""
+    if isinstance(drafter, Dataset):
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            output.write_file(name, drafter.file(name))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_drafter(drafter, tmp)
+            for name in (WEIGHTS_FILE, CONFIG_FILE):
+                output.write_file(name, Path(tmp) / name)
+    output.write_file(VOCAB_FILE, vocab_from.file(VOCAB_FILE))
+    output.write_parquet(METRICS_FILE, pa.Table.from_pylist(metrics, schema=schema))
+    output.write_bytes(SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True).encode())

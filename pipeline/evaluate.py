@@ -28,22 +28,17 @@ from models.speculative import SpecConfig, speculative_generate, target_generate
 from pipeline.config import StrictConfig, runtime_field
 from pipeline.drafters import load_drafter_dataset
 from pipeline.runner import RunContext
+from pipeline.stage import DRAFTER_KINDS, Stage
 from storage import Dataset, DatasetWriter, OpdError
 
 log = logging.getLogger("opd")
-
-OUTPUT = "eval"
-STAGE = "evaluate"
-VERSION = "1"
-INPUTS = ("prompts", "drafter")
-USES_TARGET = True
 
 
 class Config(StrictConfig):
     split: Literal["train", "heldout"] = "heldout"
     max_prompts: int = Field(64, ge=1)
     k: int = Field(6, ge=1)
-    """Drafted tokens per verify step (EAGLE-3 serving default range is 3-8)."""
+    """Drafted tokens per verify step; set through `drafting.k`."""
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(1, ge=1)
@@ -191,3 +186,16 @@ def run(
         speed,
     )
     return stats | {"drafter": str(inputs["drafter"].ref)}
+
+
+STAGE = Stage(
+    name="evaluate",
+    output="eval",
+    version="1",
+    config=Config,
+    run=run,
+    doc="speculative decoding on held-out prompts: tau, per-position acceptance, speed-up",
+    inputs={"prompts": ("prompts",), "drafter": DRAFTER_KINDS},
+    default_inputs={"drafter": "sft@latest"},
+    drafting={"k": "k"},
+)

@@ -38,8 +38,10 @@ import polars as pl
 
 from pipeline import chains, evaluate, opd, rollout, sft, training
 from pipeline.chains import Step
+from pipeline.drafters import METRICS_FILE
 from pipeline.profiles import PipelineConfig
 from pipeline.runner import RunContext, StageResult, run_stage
+from pipeline.stage import Stage
 from storage import Dataset, OpdError, canonical_json
 
 log = logging.getLogger("opd")
@@ -53,7 +55,7 @@ TEMPERATURES = (0.0, 1.0)
 
 def sft_budget(ds: Dataset) -> int:
     """Row-steps an `sft` dataset's training ran: tokens of every step x its ttt_steps."""
-    metrics = pl.read_parquet(ds.file(sft.METRICS_FILE)).filter(pl.col("kind") == "train")
+    metrics = pl.read_parquet(ds.file(METRICS_FILE)).filter(pl.col("kind") == "train")
     return int(metrics["tokens"].sum()) * int(ds.config["stage"]["ttt_steps"])
 
 
@@ -92,7 +94,7 @@ def _stats(values: list[float]) -> dict[str, Any]:
 
 def _val_curve(ds: Dataset) -> list[dict[str, Any]]:
     """Validation rows of a drafter dataset: step, teacher-forced tau_sim and loss."""
-    m = pl.read_parquet(ds.file(sft.METRICS_FILE)).filter(pl.col("kind") == "val")
+    m = pl.read_parquet(ds.file(METRICS_FILE)).filter(pl.col("kind") == "val")
     return [
         {"step": r["step"], "tau_sim": r["tau_sim"], "loss": r["loss"]}
         for r in m.select("step", "tau_sim", "loss").iter_rows(named=True)
@@ -113,8 +115,8 @@ class _Runner:
         self.results |= {prefix + k: r for k, r in res.items()}
         return {k: r.dataset for k, r in res.items()}
 
-    def stage(self, key: str, module, cfg, inputs: dict[str, Dataset]) -> Dataset:
-        self.results[key] = run_stage(module, cfg, inputs, self.ctx)
+    def stage(self, key: str, stage: Stage, cfg, inputs: dict[str, Dataset]) -> Dataset:
+        self.results[key] = run_stage(stage, cfg, inputs, self.ctx)
         return self.results[key].dataset
 
 
@@ -128,7 +130,7 @@ def _evaluate(
             update={"temperature": t, "measure_baseline": False, "untrained_contrast": False}
         )
         taus[str(t)] = run.stage(
-            f"{key}:eval-T{t}", evaluate, ecfg, {"prompts": prompts, "drafter": drafter}
+            f"{key}:eval-T{t}", evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": drafter}
         ).meta["tau"]
     return taus
 
@@ -173,7 +175,7 @@ def opd_vs_sft(
         "experiment": "opd-vs-sft",
         "budget_unit": BUDGET_UNIT,
         "budget_row_steps": budget,
-        "k": cfg.evaluate.k,
+        "k": cfg.drafting.k,
         "temperatures": list(TEMPERATURES),
         "rounds": cfg.rounds,
         "opd_train_temperature": cfg.rollout.temperature,
@@ -205,7 +207,7 @@ def opd_vs_sft(
         for t in TEMPERATURES
     }
     produced = {k: r.ref for k, r in run.results.items() if r.dataset is not None}
-    ctx.store.record_run(ctx.extra.get("run_name", "experiment-opd-vs-sft"), produced)
+    ctx.store.record_run(ctx.run_name, produced)
     key = hashlib.sha256(
         canonical_json({k: str(v) for k, v in produced.items()}).encode()
     ).hexdigest()[:12]
@@ -251,7 +253,7 @@ def _one_seed(
     # (a) continued SFT on target sequences, from the warm-up drafter
     data_cfg = sft_data_config(cfg, seed, sft_data_temperature)
     data = run.stage(
-        f"s{seed}:sft-data", rollout, data_cfg, {"prompts": prompts, "drafter": warmup}
+        f"s{seed}:sft-data", rollout.STAGE, data_cfg, {"prompts": prompts, "drafter": warmup}
     )
     sft_cfg = cfg.sft.model_copy(update={"seed": seed, "lr": cfg.opd.lr, "epochs": None})
     steps = sft_steps_for_budget([data, feats], sft_cfg, budget)
@@ -259,7 +261,7 @@ def _one_seed(
     sft_cfg = sft_cfg.model_copy(update={"steps": steps, "val_every": max(1, steps // 4)})
     cont = run.stage(
         f"s{seed}:sft-continued",
-        sft,
+        sft.STAGE,
         sft_cfg,
         {"features": data, "more_features": feats, "drafter": warmup},
     )

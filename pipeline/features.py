@@ -19,22 +19,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 from pydantic import Field
-from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
-from torch import Tensor
 from tqdm import tqdm
 
 from models.drafter import DraftVocab
+from pipeline.checks import VOCAB_FILE, check_same_target
 from pipeline.config import StrictConfig
 from pipeline.runner import RunContext
+from pipeline.stage import Stage
 from storage import Dataset, DatasetWriter, OpdError, tensor_array, tensor_field
-
-OUTPUT = "features"
-STAGE = "features"
-VERSION = "1"
-INPUTS = ("trajectories",)
-USES_TARGET = True
-VOCAB_FILE = "draft_vocab.safetensors"
 
 
 class Config(StrictConfig):
@@ -81,41 +74,6 @@ def token_counts(trajectories: Dataset, vocab_size: int) -> torch.Tensor:
         )
     out[ids] = torch.from_numpy(counts["len"].to_numpy().astype(np.int64))
     return out
-
-
-def check_same_target(ds: Dataset, identity: dict) -> None:
-    """Refuse a dataset computed by another target (hidden states would be meaningless)."""
-    theirs = ds.config.get("target") or ds.meta.get("target")
-    if theirs is None:
-        return
-    keys = ("weights_sha256", "hidden_size", "vocab_size", "num_layers", "aux_layer_ids")
-    diff = {k: (theirs.get(k), identity.get(k)) for k in keys if theirs.get(k) != identity.get(k)}
-    if diff:
-        raise OpdError(
-            f"{ds.ref} was made with a different target ({', '.join(f'{k}: {a} vs {b}' for k, (a, b) in diff.items())}); "
-            "re-run its stage with this target, or configure the target it was made with"
-        )
-
-
-def _vocab_of(ds: Dataset) -> dict[str, Tensor]:
-    try:
-        return load_file(ds.file(VOCAB_FILE))
-    except OpdError:
-        raise OpdError(
-            f"{ds.ref} has no {VOCAB_FILE}; it must carry the draft vocab map it was made with"
-        ) from None
-
-
-def check_same_vocab(reference: Dataset, others: list[Dataset]) -> None:
-    """Refuse data made with another draft-vocab map than `reference` (the map is never rebuilt)."""
-    mine = _vocab_of(reference)
-    for ds in others:
-        theirs = _vocab_of(ds)
-        if not all(torch.equal(mine[k], theirs[k]) for k in ("d2t", "t2d")):
-            raise OpdError(
-                f"{ds.ref} uses another draft-vocab map than {reference.ref}; the map is frozen "
-                "from the features stage on: make it with the same features lineage"
-            )
 
 
 @torch.no_grad()
@@ -196,3 +154,15 @@ def run(
         "sequences": len(rows),
         "tokens": int(sum(len(r["input_ids"]) for r in rows)),
     }
+
+
+STAGE = Stage(
+    name="features",
+    output="features",
+    version="1",
+    config=Config,
+    run=run,
+    doc="low/mid/high + last hidden states of the trajectories; the frozen draft-vocab map",
+    inputs={"trajectories": ("trajectories",)},
+    sharded=True,
+)

@@ -21,13 +21,8 @@ from tqdm import tqdm
 
 from pipeline.config import StrictConfig
 from pipeline.runner import RunContext
+from pipeline.stage import Stage
 from storage import Dataset, DatasetWriter, OpdError
-
-OUTPUT = "trajectories"
-STAGE = "generate"
-VERSION = "1"
-INPUTS = ("prompts",)
-USES_TARGET = True
 
 SCHEMA = pa.schema(
     [
@@ -168,3 +163,15 @@ def run(
         output.write_parquet(shard, pa.Table.from_pylist(rows, schema=SCHEMA))
     bar.close()
     return {"sequences": len(jobs), "shards": n_shards, "split": cfg.split}
+
+
+STAGE = Stage(
+    name="generate",
+    output="trajectories",
+    version="1",
+    config=Config,
+    run=run,
+    doc="the target answers the prompts; its own token ids become trajectories",
+    inputs={"prompts": ("prompts",)},
+    sharded=True,
+)

@@ -36,24 +36,19 @@ unrolled steps; `budget_row_steps` sets the number of optimizer steps so their s
 An empty `replays` dataset (a drafter that was never rejected) is a no-op: the output is the
 input drafter unchanged, with `"trained": false` in its summary, so a chain goes on.
 
-Training loop as in `sft`: warm-up + cosine, AdamW, clipping, checkpoints with exact resume in
-`<root>/_work/opd/<version>/`, DDP under `torchrun` (rank 0 writes), validation on held-out
-sequences (by seq_id): the replay loss and per-step acceptance on their replays, and the
-teacher-forced acceptance / simulated tau on their rollout features (as `sft` reports it).
+The loop is `pipeline.trainer.Trainer`, shared with `sft` (checkpoints with exact resume in
+`<root>/_work/opd/<version>/`, DDP under `torchrun`). Validation on held-out sequences (by
+seq_id): the replay loss and per-step acceptance on their replays, and the teacher-forced
+acceptance / simulated tau on their rollout features (as `sft` reports it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
-import math
-import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -61,55 +56,33 @@ import pyarrow as pa
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
-from tqdm import tqdm
 
-from models.drafter import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    DraftVocab,
-    Eagle3Drafter,
-    drafter_tensors,
-    save_drafter,
-    shift_left,
-    ttt_unroll,
-)
+from models.drafter import Eagle3Drafter, shift_left, ttt_unroll
 from models.losses import (
+    ReplayLoss,
     acceptance_rate,
-    draft_opd_loss,
-    expected_accepted_length,
-    masked_mean,
-    reverse_kl_sampled,
+    ce_rollout_loss,
+    replay_loss,
+    sft_loss,
     teacher_draft_probs,
-    total_variation,
 )
 from pipeline import sft, training
-from pipeline.config import StrictConfig, runtime_field
-from pipeline.drafters import load_drafter_dataset
-from pipeline.features import VOCAB_FILE, check_same_target, check_same_vocab
+from pipeline.checks import check_same_target, check_same_vocab
+from pipeline.drafters import load_drafter_dataset, write_drafter_dataset, written_summary
 from pipeline.runner import RunContext
+from pipeline.stage import DRAFTER_KINDS, Stage
+from pipeline.trainer import METRICS_SCHEMA as TRAIN_METRICS_SCHEMA
+from pipeline.trainer import StepOutput, TrainConfig, Trainer, TrainResult, autocast
 from storage import Dataset, DatasetWriter, OpdError, read_tensor_column
 
-OUTPUT = "opd"
-STAGE = "opd"
-VERSION = "1"
-INPUTS = ("replays", "rollouts", "drafter")
-OPTIONAL_INPUTS = ("features",)
-USES_TARGET = True
-
-METRICS_FILE = sft.METRICS_FILE
-SUMMARY_FILE = sft.SUMMARY_FILE
-OUTPUT_FILES = sft.OUTPUT_FILES
 FEATURE_COLUMNS = sft.FEATURE_COLUMNS
 REPLAY_COLUMNS = ("tokens", "accept_prob", "teacher_hidden")
-
-LossName = Literal["draft_opd", "reverse_kl_k1", "reverse_kl_k3", "tv", "expected_length"]
 
 log = logging.getLogger("opd")
 
 METRICS_SCHEMA = pa.schema(
     [
-        *sft.METRICS_SCHEMA,
-        ("row_steps", pa.int64()),  # drafter rows x unrolled steps run forward+backward this step
+        *TRAIN_METRICS_SCHEMA,
         ("ttt_loss", pa.float64()),  # val: teacher-forced soft-CE on held-out rollout sequences
         ("replay_acc", pa.list_(pa.float64())),  # val, per replay step: argmax q == target argmax
         ("replay_alpha", pa.list_(pa.float64())),  # val, per replay step: sum min(p, q) at T=1
@@ -119,10 +92,10 @@ METRICS_SCHEMA = pa.schema(
 )
 
 
-class Config(StrictConfig):
+class Config(TrainConfig):
     round: int = Field(1, ge=1)
     """Which Draft-OPD round this is; part of the version, so each round gets its own dataset."""
-    loss: LossName = "draft_opd"
+    loss: ReplayLoss = "draft_opd"
     gamma: float = Field(0.8, gt=0, le=1)
     """draft_opd: rejected proposals at block position k (0-based) weigh gamma^k."""
     lambda_accept: float = Field(1.0, ge=0)
@@ -142,43 +115,29 @@ class Config(StrictConfig):
     they are in the replay unroll already) or batches of the `features` input (an extra unroll)."""
     ce_ttt_steps: int = Field(3, ge=1)
     """Unrolled steps of the soft-CE anchor on `features` batches (rollout rows use the replay's K)."""
-    epochs: float | None = Field(2.0, gt=0)
-    """Passes over the training items; used when neither `steps` nor `budget_row_steps` is set."""
-    steps: int | None = Field(None, ge=1)
     budget_row_steps: int | None = Field(None, ge=1)
-    """Train until the drafter has run this many rows x unrolled steps (forward + backward)."""
+    """Train until the drafter has run this many rows x unrolled steps (forward + backward);
+    overrides `epochs`."""
+    val_ttt_steps: int = Field(6, ge=1)
+    """Steps of the teacher-forced validation on held-out rollout sequences (= its tau's K);
+    set through `drafting.k`."""
+    # Fine-tuning a trained drafter, not warming up a fresh one: smaller batches and lr, a
+    # longer warm-up, more held out (replayed sequences are fewer than SFT's) and checked more
+    # often.
     batch_size: int = Field(8, ge=1)
     """Training items (sequence, sample) per batch per rank."""
-    max_tokens: int = Field(4096, ge=1)
     lr: float = Field(3e-4, gt=0)
     """Peak lr: lower than the SFT warm-up's, since this fine-tunes a trained drafter."""
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(0.5, gt=0)
     val_share: float = Field(0.1, ge=0, lt=1)
     """Share of rollout sequences held out (by seq_id) with all their replays."""
     val_every: int = Field(50, ge=1)
-    val_ttt_steps: int = Field(6, ge=1)
-    """Steps of the teacher-forced validation on held-out rollout sequences (= its tau's K)."""
-    seed: int = 0
-    bf16: bool = True
-    checkpoint_every: int = runtime_field(100, "save a resumable checkpoint every N steps")
-    stop_after_steps: int | None = runtime_field(
-        None, "stop (TrainingStopped) after N steps with a checkpoint saved; a re-run resumes"
-    )
-    threads: int | None = runtime_field(None, "torch intra-op threads (None = torch's default)")
-    prefetch: int = runtime_field(4, "batches the loader thread prepares ahead")
 
     @model_validator(mode="after")
     def _check(self) -> Config:
         if self.steps is None and self.budget_row_steps is None and self.epochs is None:
             raise ValueError("set one of steps, budget_row_steps or epochs")
         return self
-
-
-class TrainingStopped(sft.TrainingStopped):
-    """`stop_after_steps` was reached: the checkpoint is saved and a re-run resumes from it."""
 
 
 # -- data ----------------------------------------------------------------------------------
@@ -401,68 +360,6 @@ def replay_outcomes(
     return accepted, mask
 
 
-def replay_loss(
-    loss: LossName,
-    logits: Tensor,
-    target_logits: Tensor,
-    tokens: Tensor,
-    accepted: Tensor,
-    mask: Tensor,
-    vocab: DraftVocab,
-    *,
-    temperature: float,
-    gamma: float = 0.8,
-    lambda_accept: float = 1.0,
-    lambda_reject: float = 1.0,
-) -> Tensor:
-    """The Draft-OPD objective on replayed blocks (a pure function).
-
-    logits [N, K, Vd]: the drafter along each replay; target_logits [N, K, V]: the target's logits
-    at the state predicting each replayed token; tokens [N, K]: the replayed target ids (drafted,
-    so inside the draft vocab); accepted, mask [N, K] bool.
-    """
-    scaled = logits / temperature
-    if loss == "draft_opd":
-        teacher = teacher_draft_probs(target_logits, vocab, temperature)
-        return draft_opd_loss(
-            scaled,
-            teacher,
-            accepted,
-            mask,
-            gamma=gamma,
-            lambda_accept=lambda_accept,
-            lambda_reject=lambda_reject,
-        )
-    if loss in ("reverse_kl_k1", "reverse_kl_k3"):
-        draft_ids = vocab.to_draft(tokens)[..., None]  # [N, K, 1]
-        logq = scaled.log_softmax(-1).gather(-1, draft_ids)[..., 0]
-        teacher = teacher_draft_probs(target_logits, vocab, temperature)
-        logp = (
-            teacher.gather(-1, draft_ids)[..., 0].clamp_min(torch.finfo(torch.float32).tiny).log()
-        )
-        return reverse_kl_sampled(logq, logp, mask, estimator=loss[-2:])
-    q = scaled.softmax(-1)
-    p_full = teacher_draft_probs(target_logits, vocab, temperature, renormalize=False)
-    if loss == "tv":
-        return masked_mean(total_variation(q, p_full), mask)
-    if loss == "expected_length":
-        return -expected_accepted_length(acceptance_rate(q, p_full), mask).mean()
-    raise OpdError(f"unknown loss {loss!r}")
-
-
-def ce_rollout_loss(
-    step_logits: list[Tensor],
-    step_valid: list[Tensor],
-    teacher: Tensor,
-    anchor_rows: Tensor,
-    decay: float,
-) -> Tensor:
-    """TTT soft-CE on the unroll rows that read ground truth: all rows at step 0, and at later
-    steps every row but the anchors (which read replayed tokens). teacher [B, T, Vd]."""
-    valid = [v if k == 0 else v & ~anchor_rows for k, v in enumerate(step_valid)]
-    return sft.sft_loss(step_logits, valid, teacher, decay)
-
-
 # -- budget, validation ----------------------------------------------------------------------
 
 
@@ -490,7 +387,7 @@ def _step_costs(
     return [sum(per_batch[i : i + world_size]) for i in range(0, len(per_batch), world_size)]
 
 
-def steps_for_budget(budget: int, step_cost: Any) -> int:
+def steps_for_budget(budget: int, step_cost: Callable[[int], int]) -> int:
     """The fewest optimizer steps whose summed row-steps reach `budget`; step_cost(s) -> int."""
     done, step = 0, 0
     while done < budget:
@@ -511,10 +408,6 @@ def _cycle(loader: training.FeatureLoader, start: int) -> Iterator[training.Padd
         epoch, position = epoch + 1, 0
 
 
-def _autocast(device: torch.device, enabled: bool):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
 @torch.no_grad()
 def validate_replays(
     drafter: Eagle3Drafter, loader: training.FeatureLoader, target: Any, cfg: Config
@@ -530,7 +423,7 @@ def validate_replays(
     with contextlib.closing(loader.iterate(0)) as batches:
         for batch in batches:
             b = batch.to(device)
-            with _autocast(device, cfg.bf16):
+            with autocast(device, cfg.bf16):
                 out = ttt_unroll(
                     drafter, b.aux_hidden, b.input_ids, steps=K, step_tokens=b.step_tokens
                 )
@@ -587,14 +480,16 @@ def _validate(
 ) -> dict[str, Any]:
     row: dict[str, Any] = {}
     if ttt_val is not None:
-        ttt_cfg = sft.Config(
-            steps=1,
+        ttt = sft.validate(
+            drafter,
+            ttt_val,
+            target,
             ttt_steps=cfg.val_ttt_steps,
             tau_k=cfg.val_ttt_steps,
             temperature=cfg.temperature,
+            step_decay=cfg.gamma,
             bf16=cfg.bf16,
         )
-        ttt = sft.validate(drafter, ttt_val, target, ttt_cfg)
         row |= {k: ttt[k] for k in ("acc", "alpha", "tau_sim", "tau_expected", "tau_chain")}
         row["ttt_loss"] = ttt["loss"]
     if replay_val is not None:
@@ -605,45 +500,10 @@ def _validate(
 # -- the stage -------------------------------------------------------------------------------
 
 
-def _empty_row(kind: str, step: int, epoch: float) -> dict[str, Any]:
-    return {name: None for name in METRICS_SCHEMA.names} | {
-        "kind": kind,
-        "step": step,
-        "epoch": epoch,
-    }
-
-
-def _write_outputs(
-    output: DatasetWriter,
-    drafter: Eagle3Drafter | None,
-    source: Dataset,
-    metrics: list[dict[str, Any]],
-    summary: dict[str, Any],
-) -> None:
-    if drafter is None:  # untrained: the input drafter's files, byte for byte
-        for name in (WEIGHTS_FILE, CONFIG_FILE):
-            output.write_file(name, source.file(name))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            save_drafter(drafter, tmp)
-            for name in (WEIGHTS_FILE, CONFIG_FILE):
-                output.write_file(name, Path(tmp) / name)
-    output.write_file(VOCAB_FILE, source.file(VOCAB_FILE))
-    output.write_parquet(METRICS_FILE, pa.Table.from_pylist(metrics, schema=METRICS_SCHEMA))
-    output.write_bytes(SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True).encode())
-
-
-def run(
-    cfg: Config,
-    inputs: dict[str, Dataset],
-    output: DatasetWriter,
-    rank: int,
-    world_size: int,
-    ctx: RunContext,
-) -> dict:
+def _check_inputs(cfg: Config, inputs: dict[str, Dataset], identity: dict) -> None:
+    """Everything must come from one target, one vocab map, and the rollouts replayed on."""
     replays, rollouts, source = inputs["replays"], inputs["rollouts"], inputs["drafter"]
     feats = inputs.get("features")
-    identity = ctx.target_loader.identity
     for ds in (replays, rollouts, source, feats):
         if ds is not None:
             check_same_target(ds, identity)
@@ -661,47 +521,27 @@ def run(
             f"and ce_source='features' (got ce_lambda={cfg.ce_lambda}, ce_source={cfg.ce_source!r}, "
             f"features {'given' if feats is not None else 'not given'})"
         )
-    rank, world_size = training.resolve_ranks(rank, world_size)
-    if all(output.has_shard(f) for f in OUTPUT_FILES):  # trained; only the commit was missing
-        return json.loads((output.dir / SUMMARY_FILE).read_text())
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    target = ctx.target_loader.target
-    base = {
-        "round": cfg.round,
-        "drafter": str(source.ref),
-        "replays": str(replays.ref),
-        "rollouts": str(rollouts.ref),
-        "target": identity,
-        "loss": cfg.loss,
-    }
-    if replays.num_rows == 0:
-        log.warning(
-            "[opd] %s is empty (the drafter was never rejected): nothing to train on; %s is %s "
-            "unchanged",
-            replays.ref,
-            output.ref,
-            source.ref,
-        )
-        summary = base | {"trained": False, "reason": f"{replays.ref} has no replays", "steps": 0}
-        if rank == 0:
-            _write_outputs(output, None, source, [], summary)
-        return summary
 
-    drafter = load_drafter_dataset(source, target, identity)
-    vocab = drafter.vocab
-    device = target.device
-    if (made_by := replays.inputs.get("drafter")) not in (None, str(source.ref)):
-        log.warning(
-            "[opd] %s was replayed by %s; training %s on it (off-policy)",
-            replays.ref,
-            made_by,
-            source.ref,
-        )
 
+@dataclass
+class _Data:
+    """The loaders of one opd run: training items, their validation splits, the CE anchor."""
+
+    index: ReplayIndex
+    train_items: list[int]
+    val_items: list[int]
+    train: training.FeatureLoader
+    replay_val: training.FeatureLoader | None
+    ttt_val: training.FeatureLoader | None
+    anchor: training.FeatureLoader | None
+
+
+def _setup_data(
+    cfg: Config, inputs: dict[str, Dataset], vocab: Any, rank: int, world_size: int
+) -> _Data:
+    replays, rollouts = inputs["replays"], inputs["rollouts"]
     ce_on_rollouts = cfg.ce_lambda > 0 and cfg.ce_source == "rollouts"
     index = ReplayIndex(replays, rollouts, full_sequences=ce_on_rollouts)
-    K = index.depth
     bad = vocab.to_draft(index.tokens) < 0
     if bad.any():
         raise OpdError(
@@ -721,22 +561,10 @@ def run(
     common = dict(
         batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, rank=rank, world_size=world_size
     )
-    train = training.FeatureLoader(
-        index, train_items, seed=cfg.seed, prefetch=cfg.prefetch, **common
-    )
-    replay_val = (
-        training.FeatureLoader(index, val_items, shuffle=False, equal_ranks=False, **common)
-        if val_items
-        else None
-    )
-    ttt_val = (
-        training.FeatureLoader(index.features, val_seqs, shuffle=False, equal_ranks=False, **common)
-        if val_seqs
-        else None
-    )
-    anchor: training.FeatureLoader | None = None
-    if wants_features:
-        feature_index = training.FeatureIndex(feats, FEATURE_COLUMNS)
+    held = dict(shuffle=False, equal_ranks=False, **common)
+    anchor = None
+    if "features" in inputs:
+        feature_index = training.FeatureIndex(inputs["features"], FEATURE_COLUMNS)
         anchor = training.FeatureLoader(
             feature_index,
             range(len(feature_index)),
@@ -744,12 +572,34 @@ def run(
             prefetch=cfg.prefetch,
             **common,
         )
-    per_epoch = len(train)
+    return _Data(
+        index=index,
+        train_items=train_items,
+        val_items=val_items,
+        train=training.FeatureLoader(
+            index, train_items, seed=cfg.seed, prefetch=cfg.prefetch, **common
+        ),
+        replay_val=training.FeatureLoader(index, val_items, **held) if val_items else None,
+        ttt_val=training.FeatureLoader(index.features, val_seqs, **held) if val_seqs else None,
+        anchor=anchor,
+    )
+
+
+def _total_steps(cfg: Config, data: _Data, world_size: int) -> int:
+    """`steps`, else the steps whose row-steps reach `budget_row_steps`, else `epochs` passes."""
+    if cfg.steps is not None or cfg.budget_row_steps is None:
+        return cfg.epoch_steps(len(data.train))
+    per_epoch, anchor = len(data.train), data.anchor
 
     @functools.cache
     def replay_costs(epoch: int) -> list[int]:
         return _step_costs(
-            index.lengths, train_items, steps_per_row=K, epoch=epoch, cfg=cfg, world_size=world_size
+            data.index.lengths,
+            data.train_items,
+            steps_per_row=data.index.depth,
+            epoch=epoch,
+            cfg=cfg,
+            world_size=world_size,
         )
 
     @functools.cache
@@ -771,223 +621,208 @@ def run(
             cost += anchor_costs(epoch)[position]
         return cost
 
-    if cfg.steps is not None:
-        total = cfg.steps
-    elif cfg.budget_row_steps is not None:
-        total = steps_for_budget(cfg.budget_row_steps, step_cost)
-    else:
-        total = math.ceil(cfg.epochs * per_epoch)
+    return steps_for_budget(cfg.budget_row_steps, step_cost)
 
-    drafter.train()
-    optimizer = training.adamw(drafter, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = training.WarmupCosine(
-        optimizer,
-        total_steps=total,
-        warmup_steps=round(cfg.warmup_ratio * total),
-        min_lr_ratio=cfg.min_lr_ratio,
+
+def replay_step(
+    model: nn.Module,
+    batch: ReplayBatch,
+    step: int,
+    anchor_batch: training.PaddedBatch | None,
+    *,
+    target: Any,
+    vocab: Any,
+    cfg: Config,
+    rank: int,
+) -> StepOutput:
+    """The Draft-OPD loss of one batch of replays (+ the soft-CE anchor when on)."""
+    device = target.device
+    K = len(batch.step_tokens)
+    b = batch.to(device)
+    # Seeded by step and rank, so a resumed run draws the same acceptances.
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 7919 + rank)
+    accepted, mask = replay_outcomes(b.accept_prob, b.replay_length, cfg.positions, generator)
+    with torch.no_grad():
+        target_logits = target.logits_from_hidden(b.teacher_hidden)  # [N, K, V]
+    unrolls = [(b.aux_hidden, b.input_ids, b.loss_mask, b.step_tokens, K)]
+    if anchor_batch is not None:
+        fb = sft.to_device(anchor_batch, device)
+        unrolls.append((fb["aux_hidden"], fb["input_ids"], fb["loss_mask"], None, cfg.ce_ttt_steps))
+    with autocast(device, cfg.bf16):
+        outs = model(*unrolls)
+    step_logits, step_valid = outs[0]
+    loss = replay_loss(
+        cfg.loss,
+        replay_logits(step_logits, b.item, b.row),  # [N, K, Vd]
+        target_logits,
+        b.tokens,
+        accepted,
+        mask,
+        vocab,
+        temperature=cfg.temperature,
+        gamma=cfg.gamma,
+        lambda_accept=cfg.lambda_accept,
+        lambda_reject=cfg.lambda_reject,
     )
-    ckpt = training.Checkpointer(output.store.root / "_work" / STAGE / output.version)
-    step, metrics = 0, []
-    if (latest := ckpt.latest()) is not None:
-        saved = ckpt.load(latest, optimizer=optimizer, scheduler=schedule)
-        if saved.model.keys() != drafter_tensors(drafter).keys():
-            raise OpdError(
-                f"checkpoint {ckpt.path(latest)} holds other tensors than the drafter; delete it"
+    tokens, row_steps = int(batch.lengths.sum()), batch.row_steps
+    if cfg.ce_lambda > 0 and cfg.ce_source == "rollouts":
+        with torch.no_grad():
+            teacher = teacher_draft_probs(
+                target.logits_from_hidden(b.last_hidden), vocab, cfg.temperature
             )
-        drafter.load_state_dict(saved.model, strict=False)  # embed_tokens is the target's
-        step, metrics = saved.step, saved.state["metrics"]
-        if saved.state["data_position"] != list(divmod(step, per_epoch)):
-            raise OpdError(f"checkpoint {ckpt.path(latest)} does not match this data; delete it")
-        log.info("[opd] resuming from step %d (%s)", step, ckpt.path(latest))
+        loss = loss + cfg.ce_lambda * ce_rollout_loss(
+            step_logits, step_valid, teacher, b.anchor_rows, cfg.gamma
+        )
+    if anchor_batch is not None:
+        with torch.no_grad():
+            teacher = teacher_draft_probs(
+                target.logits_from_hidden(fb["last_hidden"]), vocab, cfg.temperature
+            )
+        loss = loss + cfg.ce_lambda * sft_loss(*outs[1], teacher, cfg.gamma)
+        tokens += anchor_batch.num_tokens
+        row_steps += anchor_batch.num_tokens * cfg.ce_ttt_steps
+    return StepOutput(loss, tokens, row_steps)
+
+
+def _pass_through(
+    output: DatasetWriter, source: Dataset, replays: Dataset, base: dict, rank: int
+) -> dict:
+    """No replays (the drafter was never rejected): the round's drafter is its input's."""
+    log.warning(
+        "[opd] %s is empty (the drafter was never rejected): nothing to train on; %s is %s "
+        "unchanged",
+        replays.ref,
+        output.ref,
+        source.ref,
+    )
+    summary = base | {"trained": False, "reason": f"{replays.ref} has no replays", "steps": 0}
+    if rank == 0:
+        write_drafter_dataset(output, source, source, [], METRICS_SCHEMA, summary)
+    return summary
+
+
+def _trained_summary(cfg: Config, data: _Data, result: TrainResult) -> dict:
+    vals = [m for m in result.metrics if m["kind"] == "val"]
+    return {k: v for k, v in result.summary().items() if k != "tokens_per_s_this_run"} | {
+        "trained": True,
+        "depth": data.index.depth,
+        "train_items": len(data.train_items),
+        "val_items": len(data.val_items),
+        "train_replays": int(sum(len(data.index.items[i][1]) for i in data.train_items)),
+        "ce_anchor": cfg.ce_source if cfg.ce_lambda > 0 else None,
+        "validation": vals[-1] if vals else None,
+    }
+
+
+def run(
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    output: DatasetWriter,
+    rank: int,
+    world_size: int,
+    ctx: RunContext,
+) -> dict:
+    replays, rollouts, source = inputs["replays"], inputs["rollouts"], inputs["drafter"]
+    identity = ctx.target_loader.identity
+    _check_inputs(cfg, inputs, identity)
+    rank, world_size = training.resolve_ranks(rank, world_size)
+    if (summary := written_summary(output)) is not None:
+        return summary
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    target = ctx.target_loader.target
+    base = {
+        "round": cfg.round,
+        "drafter": str(source.ref),
+        "replays": str(replays.ref),
+        "rollouts": str(rollouts.ref),
+        "target": identity,
+        "loss": cfg.loss,
+    }
+    if replays.num_rows == 0:
+        return _pass_through(output, source, replays, base, rank)
+
+    drafter = load_drafter_dataset(source, target, identity)
+    if (made_by := replays.inputs.get("drafter")) not in (None, str(source.ref)):
+        log.warning(
+            "[opd] %s was replayed by %s; training %s on it (off-policy)",
+            replays.ref,
+            made_by,
+            source.ref,
+        )
+    data = _setup_data(cfg, inputs, drafter.vocab, rank, world_size)
+    trainer = Trainer(
+        cfg,
+        stage="opd",
+        drafter=drafter,
+        forward=Unrolls(drafter),
+        loader=data.train,
+        total_steps=_total_steps(cfg, data, world_size),
+        work_dir=output.store.root / "_work" / "opd" / output.version,
+        schema=METRICS_SCHEMA,
+        rank=rank,
+        progress=ctx.progress,
+        label=f"opd-r{cfg.round}",
+    )
+    trainer.setup()
     log.info(
         "[opd] round %d: %s on %s (%d train / %d val items, K=%d, loss %s); %d steps, %d per "
         "epoch; checkpoints in %s",
         cfg.round,
         source.ref,
         replays.ref,
-        len(train_items),
-        len(val_items),
-        K,
+        len(data.train_items),
+        len(data.val_items),
+        data.index.depth,
         cfg.loss,
-        total,
-        per_epoch,
-        ckpt.directory,
+        trainer.total,
+        trainer.per_epoch,
+        trainer.checkpointer.directory,
     )
-    if step == 0 and (replay_val is not None or ttt_val is not None):
-        metrics.append(
-            _empty_row("val", 0, 0.0) | _validate(drafter, replay_val, ttt_val, target, cfg)
+    anchor_stream = _cycle(data.anchor, trainer.step) if data.anchor is not None else None
+
+    def loss_step(model: nn.Module, batch: ReplayBatch, step: int) -> StepOutput:
+        anchor_batch = next(anchor_stream) if anchor_stream is not None else None
+        return replay_step(
+            model, batch, step, anchor_batch, target=target, vocab=drafter.vocab, cfg=cfg, rank=rank
         )
 
-    model = training.wrap_ddp(Unrolls(drafter))
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    anchor_stream = _cycle(anchor, step) if anchor is not None else None
-    bar = tqdm(
-        total=total,
-        initial=step,
-        desc=f"opd-r{cfg.round}",
-        unit="step",
-        disable=not ctx.progress or rank != 0,
-    )
-    t_start, wait_start, row_steps_run = time.perf_counter(), train.wait_seconds, 0
-    try:
-        while step < total:
-            epoch, position = divmod(step, per_epoch)
-            with contextlib.closing(train.iterate(epoch, position)) as batches:
-                for batch in batches:
-                    t0 = time.perf_counter()
-                    b = batch.to(device)
-                    lr = schedule.lr
-                    generator = torch.Generator().manual_seed(
-                        cfg.seed * 1_000_003 + step * 7919 + rank
-                    )
-                    accepted, mask = replay_outcomes(
-                        b.accept_prob, b.replay_length, cfg.positions, generator
-                    )
-                    with torch.no_grad():
-                        target_logits = target.logits_from_hidden(b.teacher_hidden)  # [N, K, V]
-                    unrolls = [(b.aux_hidden, b.input_ids, b.loss_mask, b.step_tokens, K)]
-                    if anchor_stream is not None:
-                        fbatch = next(anchor_stream)
-                        fb = {k: v.to(device) for k, v in fbatch.columns.items()}
-                        fb["loss_mask"] = fb["loss_mask"].bool()
-                        unrolls.append(
-                            (
-                                fb["aux_hidden"],
-                                fb["input_ids"],
-                                fb["loss_mask"],
-                                None,
-                                cfg.ce_ttt_steps,
-                            )
-                        )
-                    with _autocast(device, cfg.bf16):
-                        outs = model(*unrolls)
-                    step_logits, step_valid = outs[0]
-                    logits = replay_logits(step_logits, b.item, b.row)  # [N, K, Vd]
-                    loss = replay_loss(
-                        cfg.loss,
-                        logits,
-                        target_logits,
-                        b.tokens,
-                        accepted,
-                        mask,
-                        vocab,
-                        temperature=cfg.temperature,
-                        gamma=cfg.gamma,
-                        lambda_accept=cfg.lambda_accept,
-                        lambda_reject=cfg.lambda_reject,
-                    )
-                    tokens = int(batch.lengths.sum())
-                    row_steps = batch.row_steps
-                    if ce_on_rollouts:
-                        with torch.no_grad():
-                            teacher = teacher_draft_probs(
-                                target.logits_from_hidden(b.last_hidden), vocab, cfg.temperature
-                            )
-                        loss = loss + cfg.ce_lambda * ce_rollout_loss(
-                            step_logits, step_valid, teacher, b.anchor_rows, cfg.gamma
-                        )
-                    if anchor_stream is not None:
-                        with torch.no_grad():
-                            teacher = teacher_draft_probs(
-                                target.logits_from_hidden(fb["last_hidden"]), vocab, cfg.temperature
-                            )
-                        loss = loss + cfg.ce_lambda * sft.sft_loss(*outs[1], teacher, cfg.gamma)
-                        tokens += fbatch.num_tokens
-                        row_steps += fbatch.num_tokens * cfg.ce_ttt_steps
-                    loss.backward()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    schedule.step()
-                    step += 1
+    def validation(step: int) -> dict[str, Any]:
+        row = _validate(drafter, data.replay_val, data.ttt_val, target, cfg)
+        log.info(
+            "[opd] step %d: val replay loss %s, replay acc %s, tau_sim %s",
+            step,
+            row.get("loss"),
+            [round(a, 3) for a in row.get("replay_acc") or []],
+            row.get("tau_sim"),
+        )
+        return row
 
-                    sums = training.all_reduce_sum(
-                        torch.tensor(
-                            [float(loss.detach()), row_steps, tokens, 1.0], dtype=torch.float64
-                        )
-                    )
-                    row_steps_run += int(sums[1])
-                    tok_s = int(sums[1]) / max(time.perf_counter() - t0, 1e-9)
-                    metrics.append(
-                        _empty_row("train", step, step / per_epoch)
-                        | {
-                            "loss": float(sums[0] / sums[3]),
-                            "lr": lr,
-                            "grad_norm": float(grad_norm),
-                            "tokens": int(sums[2]),
-                            "row_steps": int(sums[1]),
-                            "tokens_per_s": tok_s,
-                        }
-                    )
-                    bar.set_postfix(loss=f"{metrics[-1]['loss']:.3f}")
-                    bar.update()
-                    if (replay_val is not None or ttt_val is not None) and (
-                        step % cfg.val_every == 0 or step == total
-                    ):
-                        row = _validate(drafter, replay_val, ttt_val, target, cfg)
-                        metrics.append(_empty_row("val", step, step / per_epoch) | row)
-                        log.info(
-                            "[opd] step %d: val replay loss %s, replay acc %s, tau_sim %s",
-                            step,
-                            row.get("loss"),
-                            [round(a, 3) for a in row.get("replay_acc") or []],
-                            row.get("tau_sim"),
-                        )
-                    stopping = cfg.stop_after_steps is not None and step >= cfg.stop_after_steps
-                    if (
-                        rank == 0
-                        and (step % cfg.checkpoint_every == 0 or stopping)
-                        and step < total
-                    ):
-                        ckpt.save(
-                            step,
-                            model=drafter_tensors(drafter),
-                            optimizer=optimizer,
-                            scheduler=schedule,
-                            state={
-                                "metrics": metrics,
-                                "data_position": list(divmod(step, per_epoch)),
-                            },
-                        )
-                    if stopping and step < total:
-                        training.barrier()
-                        raise TrainingStopped(
-                            f"stopped after step {step} of {total} (stop_after_steps); "
-                            f"re-run the stage to resume from {ckpt.path(step)}"
-                        )
-                    if step >= total:
-                        break
-    finally:
-        bar.close()
-        if anchor_stream is not None:
-            anchor_stream.close()
-    seconds = time.perf_counter() - t_start
-    stall = train.wait_seconds - wait_start
-    training.barrier()
+    has_val = data.replay_val is not None or data.ttt_val is not None
+    with contextlib.closing(anchor_stream) if anchor_stream else contextlib.nullcontext():
+        result = trainer.train(
+            loss_step, validation if has_val else None, validate_at_start=has_val
+        )
     if rank != 0:
         return {}
-
-    train_rows = [m for m in metrics if m["kind"] == "train"]
-    vals = [m for m in metrics if m["kind"] == "val"]
-    summary = base | {
-        "trained": True,
-        "steps": total,
-        "epochs": total / per_epoch,
-        "depth": K,
-        "train_items": len(train_items),
-        "val_items": len(val_items),
-        "train_replays": int(sum(len(index.items[i][1]) for i in train_items)),
-        "budget_row_steps": int(sum(m["row_steps"] for m in train_rows)),
-        "ce_anchor": cfg.ce_source if cfg.ce_lambda > 0 else None,
-        "final_train_loss": train_rows[-1]["loss"],
-        "validation_start": vals[0] if vals and vals[0]["step"] == 0 else None,
-        "validation": vals[-1] if vals else None,
-        "seconds_this_run": round(seconds, 2),
-        "row_steps_per_s_this_run": round(row_steps_run / max(seconds, 1e-9), 1),
-        "loader_stall_share": round(stall / max(seconds, 1e-9), 4),
-    }
-    _write_outputs(output, drafter, source, metrics, summary)
-    ckpt.clear()
+    summary = base | _trained_summary(cfg, data, result)
+    write_drafter_dataset(output, drafter, source, result.metrics, METRICS_SCHEMA, summary)
+    trainer.finish()
     if world_size > 1:
         output.wait_for_ranks()
     return summary
+
+
+STAGE = Stage(
+    name="opd",
+    output="opd",
+    version="1",
+    config=Config,
+    run=run,
+    doc="Draft-OPD: train the drafter on its own replayed proposals, scored by the target",
+    inputs={"replays": ("replays",), "rollouts": ("rollouts",), "drafter": DRAFTER_KINDS},
+    optional_inputs={"features": ("features",)},  # the soft-CE anchor's data (ce_source)
+    default_inputs={"drafter": "sft@latest"},
+    per_round=True,
+    drafting={"val_ttt_steps": "k"},
+)

@@ -11,35 +11,80 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, create_model, model_validator
 
 from pipeline.config import StrictConfig
-from pipeline.evaluate import Config as EvaluateConfig
-from pipeline.features import Config as FeaturesConfig
-from pipeline.generate import Config as GenerateConfig
-from pipeline.opd import Config as OPDConfig
-from pipeline.prompts import PromptsConfig
-from pipeline.rollout import Config as RolloutConfig
-from pipeline.score import Config as ScoreConfig
-from pipeline.sft import Config as SFTConfig
+from pipeline.stages import STAGES
 from pipeline.targets import TargetConfig
 from storage import OpdError
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 
-class PipelineConfig(StrictConfig):
+class DraftingConfig(StrictConfig):
+    """How the drafter drafts: one K for every stage and the export."""
+
+    k: int = Field(6, ge=1)
+    """Drafted tokens per verify step, as the drafter will serve (vLLM's
+    `num_speculative_tokens`): rollout and evaluate decode with it, score replays K tokens,
+    and the training stages measure their simulated tau over K steps."""
+    ttt_steps: int = Field(7, ge=1)
+    """Unrolled steps of SFT's training-time test. EAGLE-3 trains one step deeper than it
+    usually serves (7 vs K = 6), so the K-th draft is trained on inputs as off-policy as it
+    meets; it must be >= k."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DraftingConfig:
+        if self.ttt_steps < self.k:
+            raise ValueError(
+                f"drafting.ttt_steps ({self.ttt_steps}) must be >= drafting.k ({self.k}): "
+                "SFT must train every position the drafter serves"
+            )
+        return self
+
+
+class _PipelineBase(StrictConfig):
     target: TargetConfig = TargetConfig()
-    prompts: PromptsConfig = PromptsConfig()
-    generate: GenerateConfig = GenerateConfig()
-    features: FeaturesConfig = FeaturesConfig()
-    sft: SFTConfig = SFTConfig()
+    drafting: DraftingConfig = DraftingConfig()
     rounds: int = Field(2, ge=0)
     """Draft-OPD rounds (rollout -> score -> opd) after the SFT warm-up in the `full` chain."""
-    rollout: RolloutConfig = RolloutConfig()
-    score: ScoreConfig = ScoreConfig()
-    opd: OPDConfig = OPDConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _k_lives_in_drafting(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for stage in STAGES:
+            section = data.get(stage.name)
+            if isinstance(section, dict):
+                for name, source in stage.drafting.items():
+                    if name in section:
+                        raise ValueError(
+                            f"{stage.name}.{name} is set once for every stage as "
+                            f"drafting.{source}: use --set drafting.{source}={section[name]}"
+                        )
+        return data
+
+    @model_validator(mode="after")
+    def _tie_drafting(self) -> _PipelineBase:
+        for stage in STAGES:
+            if stage.drafting:
+                section = getattr(self, stage.name)
+                update = {name: getattr(self.drafting, src) for name, src in stage.drafting.items()}
+                # validate_assignment would re-run per field; one validated copy is atomic.
+                tied = stage.config.model_validate(section.model_dump() | update)
+                object.__setattr__(self, stage.name, tied)
+        return self
+
+
+# One section per stage, derived from the stage list so adding a stage never touches this file.
+PipelineConfig = create_model(  # type: ignore[call-overload]
+    "PipelineConfig",
+    __base__=_PipelineBase,
+    __doc__="The whole pipeline's config: the target, drafting, rounds, and one typed section "
+    "per stage (from `pipeline.stages.STAGES`).",
+    **{s.name: (s.config, Field(default_factory=s.config)) for s in STAGES},
+)
 
 
 def profiles() -> list[str]:
@@ -68,6 +113,12 @@ def parse_set(item: str) -> dict[str, Any]:
     return out
 
 
+def _problem(err: Any) -> str:
+    msg = err["msg"].removeprefix("Value error, ")
+    loc = ".".join(str(p) for p in err["loc"])
+    return f"{loc}: {msg}" if loc else msg
+
+
 def load_config(
     profile: str = "default", config_file: Path | None = None, sets: list[str] = ()
 ) -> PipelineConfig:
@@ -85,7 +136,5 @@ def load_config(
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
-        )
+        problems = "; ".join(_problem(err) for err in e.errors())
         raise OpdError(f"invalid config: {problems}") from None

@@ -38,6 +38,8 @@ from transformers import PreTrainedTokenizerBase
 from models.tiny_target import corpus
 from models.tiny_target.tokenizer import CHAT_TEMPLATE
 from pipeline.config import StrictConfig
+from pipeline.stage import Stage
+from storage import OpdError
 
 SPLITS = ("train", "heldout")
 ROLES = frozenset({"system", "user", "assistant"})
@@ -423,12 +425,6 @@ def build_rows(
 
 # --- the stage ------------------------------------------------------------------------------
 
-OUTPUT = "prompts"
-STAGE = "prompts"
-VERSION = "1"
-INPUTS: tuple[str, ...] = ()
-USES_TARGET = True  # the target's tokenizer defines the ids
-Config = PromptsConfig
 SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -460,8 +456,6 @@ def version_extra(cfg: PromptsConfig) -> dict:
 
 
 def run(cfg: PromptsConfig, inputs, output, rank: int, world_size: int, ctx) -> dict:
-    from storage import OpdError
-
     try:
         rows, skipped = build_rows(cfg, ctx.target_loader.tokenizer)
     except ValueError as e:
@@ -478,3 +472,15 @@ def run(cfg: PromptsConfig, inputs, output, rank: int, world_size: int, ctx) -> 
         "by_split_kind": {f"{s}/{k}": n for (s, k), n in sorted(counts.items())},
         "skipped": dict(skipped),
     }
+
+
+STAGE = Stage(
+    name="prompts",
+    output="prompts",
+    version="1",
+    config=PromptsConfig,
+    run=run,
+    doc="prompts from the embedded corpus or your JSONL/Parquet, split train / held-out",
+    uses_target=True,  # the target's tokenizer defines the ids
+    version_extra=version_extra,
+)

@@ -27,7 +27,7 @@ the last digits. Acceptance by offset over the whole log is one polars query:
       .filter(pl.col("outcome") != "not_reached")
       .group_by("offset").agg((pl.col("outcome") == "accepted").mean()).sort("offset")
 
-`run` (from ctx.extra["run_name"], default "default") is not part of the version: a dataset
+`run` (the run name the runner was given, `--run-name`) is not part of the version: a dataset
 reused by another run keeps the name of the run that computed it.
 
 Manifest meta: tau (mean accepted + 1 per verify step), alpha per offset (acceptance given the
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import polars as pl
@@ -50,21 +49,17 @@ from pydantic import Field, model_validator
 from torch import Tensor
 from tqdm import tqdm
 
-from models.drafter import DrafterCache, Eagle3Drafter
-from models.speculative import SpecConfig, speculative_generate
+from models.drafter import Eagle3Drafter
+from models.speculative import SpecConfig, replay_drafts, speculative_generate
 from models.target import Target
+from pipeline.checks import VOCAB_FILE
 from pipeline.config import StrictConfig
 from pipeline.drafters import load_drafter_dataset
-from pipeline.features import VOCAB_FILE, feature_schema, forward_batch
+from pipeline.features import feature_schema, forward_batch
 from pipeline.generate import select_prompts
 from pipeline.runner import RunContext
+from pipeline.stage import DRAFTER_KINDS, Stage
 from storage import Dataset, DatasetWriter, tensor_array
-
-OUTPUT = "rollouts"
-STAGE = "rollout"
-VERSION = "1"
-INPUTS = ("prompts", "drafter")
-USES_TARGET = True
 
 log = logging.getLogger("opd")
 
@@ -80,6 +75,9 @@ SEQUENCES_SCHEMA = pa.schema(
 )
 REJECTIONS_SCHEMA = pa.schema(
     [
+        # the named run (`--run-name`) that computed these rows; a later run with the same
+        # config reuses the dataset (its version leaves the name out), and `_runs/` says which
+        # runs read it
         ("run", pa.string()),
         ("round", pa.int32()),
         ("drafter", pa.string()),  # the drafter dataset ref, e.g. sft@0123456789ab
@@ -123,7 +121,7 @@ class Config(StrictConfig):
     """Round r skips another (r - 1) x max_prompts prompts, so every Draft-OPD round drafts on
     contexts no earlier round (or the SFT data, with skip_prompts) has seen."""
     k: int = Field(6, ge=1)
-    """Drafted tokens per verify step; use the K the drafter will serve with."""
+    """Drafted tokens per verify step; set through `drafting.k` (the K it will serve with)."""
     temperature: float = Field(0.0, ge=0.0)
     """Decoding temperature (0 = greedy); verify at the temperature the drafter will serve at."""
     max_new_tokens: int = Field(128, ge=1)
@@ -138,91 +136,6 @@ class Config(StrictConfig):
         if self.new_prompts_each_round and self.max_prompts is None:
             raise ValueError("new_prompts_each_round needs max_prompts (the prompts per round)")
         return self
-
-
-@dataclass
-class Chains:
-    """K drafts from each of C anchors (see `replay_drafts`)."""
-
-    tokens: Tensor  # [C, K] int64 target ids
-    logq: Tensor  # [C, K] fp32 log q(token) at the temperature; 0 at T=0 (q is one-hot)
-    confidence: Tensor  # [C, K] fp32 max_v q_v, q at the temperature (at 1 when T = 0)
-
-
-@torch.no_grad()
-def replay_drafts(
-    drafter: Eagle3Drafter,
-    aux_hidden: Tensor,
-    input_ids: Tensor,
-    anchors: Tensor,
-    k: int,
-    *,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-    forced: Tensor | None = None,
-) -> Chains:
-    """Draft K tokens from each anchor e of one sequence, as the decoder would from prefix y<e.
-
-    aux_hidden [T, 3H_t] (target features of the sequence), input_ids [T], anchors [C] with
-    2 <= e <= T (repeat an anchor for several samples). One drafter pass runs the prefix rows
-    0..max(e)-2; chain c starts at row e_c - 2 and each later step runs all C chains as one
-    forward whose mask lets chain c see the prefix rows <= e_c - 2 and its own earlier chain keys.
-    T=0 drafts the argmax, T>0 samples q = softmax(logits / T) with `generator`. `forced` [C, K]
-    (target ids in the draft vocab) feeds given drafts instead, to score a logged block.
-    """
-    device = drafter.fc.weight.device
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)  # [T]
-    anchors = torch.as_tensor(anchors, dtype=torch.long, device=device).reshape(-1)  # [C]
-    T, C = ids.numel(), anchors.numel()
-    if aux_hidden.shape[0] != T:
-        raise ValueError(f"aux_hidden has {aux_hidden.shape[0]} rows for {T} tokens")
-    if C == 0 or k < 1:
-        raise ValueError(f"need at least one anchor and k >= 1, got {C} anchors and k={k}")
-    if int(anchors.min()) < 2 or int(anchors.max()) > T:
-        raise ValueError(
-            f"anchors must lie in [2, {T}] (anchor e needs drafter row e-2 and token e-1), "
-            f"got {anchors.min().item()}..{anchors.max().item()}"
-        )
-    vocab = drafter.vocab
-    if forced is not None:
-        forced = vocab.to_draft(torch.as_tensor(forced, dtype=torch.long, device=device))
-        if forced.shape != (C, k) or bool((forced < 0).any()):
-            raise ValueError(f"forced must be [C={C}, K={k}] target ids inside the draft vocab")
-
-    rows = anchors - 2  # [C]
-    width = int(rows.max()) + 1
-    cache = DrafterCache()
-    hidden = drafter.fuse(aux_hidden[:width].to(device)[None])  # [1, L, H]
-    positions = torch.arange(width, device=device)[None]  # [1, L]
-    logits, hidden_out = drafter(ids[None, 1 : width + 1], hidden, positions, cache=cache)
-    logits, hidden_out = logits[0, rows], hidden_out[:, rows]  # [C, Vd], [1, C, H]
-    prefix_visible = torch.arange(width, device=device)[None] <= rows[:, None]  # [C, L]
-    own = torch.eye(C, dtype=torch.bool, device=device)  # [C, C]: a chain sees only its own keys
-
-    tokens, logq, confidence = [], [], []
-    for j in range(k):
-        if j > 0:
-            mask = torch.cat([prefix_visible, own.repeat(1, j)], dim=1)[None]  # [1, C, L + C*j]
-            logits, hidden_out = drafter(
-                tokens[-1][None], hidden_out, (rows + j)[None], attention_mask=mask, cache=cache
-            )
-            logits = logits[0]  # [C, Vd]
-        log_q = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # [C, Vd]
-        if forced is not None:
-            draft = forced[:, j]
-        elif temperature == 0:
-            draft = logits.argmax(-1)
-        else:
-            draft = torch.multinomial(log_q.exp(), 1, generator=generator)[:, 0]
-        picked = log_q.gather(1, draft[:, None])[:, 0]
-        logq.append(picked if temperature > 0 else torch.zeros_like(picked))
-        confidence.append(log_q.max(-1).values.exp())
-        tokens.append(vocab.to_target(draft))  # [C]
-    return Chains(
-        tokens=torch.stack(tokens, 1),
-        logq=torch.stack(logq, 1),
-        confidence=torch.stack(confidence, 1),
-    )
 
 
 def shard_files(i: int) -> tuple[str, str, str, str]:
@@ -486,7 +399,6 @@ def run(
     target = ctx.target_loader.target
     identity = ctx.target_loader.identity
     drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
-    run_name = str(ctx.extra.get("run_name", "default"))
     seq_ids = _seq_ids(prompts)
     if rank == 0 and not output.has_shard(VOCAB_FILE):
         output.write_file(VOCAB_FILE, drafter_ds.file(VOCAB_FILE))
@@ -507,7 +419,7 @@ def run(
             seq_ids[lo:hi],
             out,
             cfg,
-            run_name,
+            ctx.run_name,
             str(drafter_ds.ref),
             target.hidden_size,
         )
@@ -528,3 +440,18 @@ def run(
         meta["drafted"],
     )
     return meta | {"target": identity, "drafter": str(drafter_ds.ref), "shards": n_shards}
+
+
+STAGE = Stage(
+    name="rollout",
+    output="rollouts",
+    version="1",
+    config=Config,
+    run=run,
+    doc="target-assisted speculative decoding with the drafter, with a rejection log",
+    inputs={"prompts": ("prompts",), "drafter": DRAFTER_KINDS},
+    default_inputs={"drafter": "sft@latest"},
+    sharded=True,
+    per_round=True,
+    drafting={"k": "k"},
+)

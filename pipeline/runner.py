@@ -1,16 +1,11 @@
-"""Runs one stage: resolve inputs, compute the output version, skip or resume, commit.
+"""Runs one stage: check inputs, compute the output version, skip or resume, commit.
 
-A stage module (pipeline/<stage>.py) defines:
-
-    OUTPUT = "trajectories"            # the dataset it produces
-    VERSION = "1"                      # bump when the code's output changes for the same config
-    INPUTS = ("prompts",)              # roles it reads (each is a dataset name)
-    Config(StrictConfig)               # its typed config
-    run(cfg, inputs, output, rank, world_size, ctx) -> dict   # writes shards; returns manifest meta
-
-The runner owns everything around that: the version (config + input versions + the target's
-identity when the stage uses one), skipping work that exists, the per-rank writer, the commit
-and logging which versions were read and written. Plain Python: flows/ calls it as tasks.
+A stage is its module's `STAGE` record (`pipeline.stage.Stage`): a typed config and a
+`run(cfg, inputs, output, rank, world_size, ctx) -> meta` that writes the shards. The runner
+owns everything around that: that every input is a kind its role reads, the version (config +
+input versions + the target's identity when the stage uses one), skipping work that exists,
+the per-rank writer, the commit, and logging which versions were read and written. Plain
+Python: flows/ calls it as tasks.
 """
 
 from __future__ import annotations
@@ -18,12 +13,12 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
-from types import ModuleType
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import StrictConfig, version_dict
-from storage import Dataset, DatasetRef, OpdError, Store
+from pipeline.stage import Stage
+from storage import Dataset, DatasetRef, DatasetWriter, OpdError, Store
 
 log = logging.getLogger("opd")
 
@@ -35,7 +30,8 @@ class RunContext:
     store: Store
     target_loader: Any = None  # pipeline.targets.TargetLoader; None for stages without a target
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    run_name: str = "default"
+    """The named run (`--run-name`) the stages run for; rollout writes it into its log."""
 
 
 @dataclass
@@ -49,36 +45,54 @@ class StageResult:
         return self.dataset.ref
 
 
-def output_version_config(module: ModuleType, cfg: StrictConfig, ctx: RunContext) -> dict[str, Any]:
+def output_version_config(stage: Stage, cfg: StrictConfig, ctx: RunContext) -> dict[str, Any]:
     """The config recorded in (and hashed into) the output's manifest."""
+    if not isinstance(cfg, stage.config):
+        raise OpdError(
+            f"stage {stage.name} takes a {stage.config.__name__}, got {type(cfg).__name__}"
+        )
     out: dict[str, Any] = {"stage": version_dict(cfg)}
-    if hasattr(module, "version_extra"):  # e.g. the content hash of a source file
+    if stage.version_extra is not None:  # e.g. the content hash of a source file
         try:
-            out |= module.version_extra(cfg)
+            out |= stage.version_extra(cfg)
         except ValueError as e:
             raise OpdError(str(e)) from None
-    if getattr(module, "USES_TARGET", False):
+    if stage.uses_target:
         if ctx.target_loader is None:
-            raise OpdError(f"stage {module.STAGE} needs a target but none is configured")
+            raise OpdError(f"stage {stage.name} needs a target but none is configured")
         out["target"] = ctx.target_loader.identity
     return out
 
 
 def planned_ref(
-    module: ModuleType, cfg: StrictConfig, inputs: dict[str, Dataset], ctx: RunContext
+    stage: Stage, cfg: StrictConfig, inputs: dict[str, Dataset], ctx: RunContext
 ) -> DatasetRef:
     """The exact ref this stage will produce from these inputs (no work done)."""
     return ctx.store.writer(
-        module.OUTPUT,
-        stage=module.STAGE,
-        stage_version=module.VERSION,
-        config=output_version_config(module, cfg, ctx),
+        stage.output,
+        stage=stage.name,
+        stage_version=stage.version,
+        config=output_version_config(stage, cfg, ctx),
         inputs={role: ds.ref for role, ds in inputs.items()},
     ).ref
 
 
+def _check_not_empty(stage: Stage, writer: DatasetWriter, inputs: dict[str, Dataset]) -> None:
+    """0 rows from inputs that have rows means the stage read the wrong thing: refuse to
+    commit it (sharded stages only: a drafter dataset is files, not rows)."""
+    if not stage.sharded or stage.may_be_empty:
+        return
+    fed = [d for d in inputs.values() if d.num_rows > 0]
+    rows = sum(s.get("rows") or 0 for s in writer.completed_shards())
+    if rows == 0 and fed:
+        raise OpdError(
+            f"stage {stage.name} would commit 0 rows from {', '.join(str(d.ref) for d in fed)}; "
+            "check its inputs and config (e.g. max_prompts, skip_prompts, split)"
+        )
+
+
 def run_stage(
-    module: ModuleType,
+    stage: Stage,
     cfg: StrictConfig,
     inputs: dict[str, Dataset],
     ctx: RunContext,
@@ -87,16 +101,14 @@ def run_stage(
     rank: int = 0,
     world_size: int = 1,
 ) -> StageResult:
-    missing = set(module.INPUTS) - set(inputs)
-    if missing:
-        raise OpdError(f"stage {module.STAGE} needs inputs {sorted(missing)}")
+    stage.check_inputs(inputs)
     for role, ds in inputs.items():
-        log.info("[%s] reads %s: %s", module.STAGE, role, ds.ref)
+        log.info("[%s] reads %s: %s", stage.name, role, ds.ref)
     writer = ctx.store.writer(
-        module.OUTPUT,
-        stage=module.STAGE,
-        stage_version=module.VERSION,
-        config=output_version_config(module, cfg, ctx),
+        stage.output,
+        stage=stage.name,
+        stage_version=stage.version,
+        config=output_version_config(stage, cfg, ctx),
         inputs={role: ds.ref for role, ds in inputs.items()},
         rank=rank,
         world_size=world_size,
@@ -107,7 +119,7 @@ def run_stage(
         if not force:
             ctx.store.set_latest(writer.ref)
             log.info(
-                "[%s] %s exists; nothing to do (use --force to recompute)", module.STAGE, writer.ref
+                "[%s] %s exists; nothing to do (use --force to recompute)", stage.name, writer.ref
             )
             return StageResult(ctx.store.open(writer.ref), True, 0.0)
         # Recompute into a fresh directory; the old one comes back if the new run fails.
@@ -120,13 +132,14 @@ def run_stage(
             done = len(writer.completed_shards())
             if done:
                 log.info(
-                    "[%s] resuming %s from %d completed shard(s)", module.STAGE, writer.ref, done
+                    "[%s] resuming %s from %d completed shard(s)", stage.name, writer.ref, done
                 )
-            meta = module.run(cfg, inputs, writer, rank, world_size, ctx) or {}
+            meta = stage.run(cfg, inputs, writer, rank, world_size, ctx) or {}
             if world_size > 1:
                 writer.rank_done()
                 if writer.ranks_done() != list(range(world_size)):
                     return StageResult(None, False, time.perf_counter() - t0)  # type: ignore[arg-type]
+            _check_not_empty(stage, writer, inputs)
             ds = writer.commit(meta=meta)
     except BaseException:
         if aside is not None and not writer.exists():
@@ -136,5 +149,5 @@ def run_stage(
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     seconds = time.perf_counter() - t0
-    log.info("[%s] wrote %s (%d rows, %.1fs)", module.STAGE, ds.ref, ds.num_rows, seconds)
+    log.info("[%s] wrote %s (%d rows, %.1fs)", stage.name, ds.ref, ds.num_rows, seconds)
     return StageResult(ds, False, seconds)

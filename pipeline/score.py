@@ -18,7 +18,7 @@ exactly as the decoder would: row e-2 reads the rollout's target feature f_{e-2}
 then K-1 chain steps read only the drafter's own hidden states and tokens. All anchors and
 samples of a sequence share ONE drafter pass over the prefix rows; their chains advance
 together, one batched forward per step, each seeing the prefix rows <= e-2 and its own chain
-keys through the attention mask (`pipeline.rollout.replay_drafts`). Then the target scores
+keys through the attention mask (`models.speculative.replay_drafts`). Then the target scores
 every replayed token of the sequence in ONE tree-masked forward (`Target.score_tree`: the
 sequence once plus E x n x K branch tokens), instead of one full-prefix forward per anchor.
 
@@ -48,24 +48,19 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 from pydantic import Field, model_validator
-from safetensors.torch import load_file
 from torch import Tensor
 from tqdm import tqdm
 
 from models.drafter import Eagle3Drafter
+from models.speculative import replay_drafts
 from models.target import Target
+from pipeline.checks import VOCAB_FILE, check_drafter_vocab, check_same_target
 from pipeline.config import StrictConfig
 from pipeline.drafters import load_drafter_dataset
-from pipeline.features import VOCAB_FILE, check_same_target
-from pipeline.rollout import replay_drafts, shard_files
+from pipeline.rollout import shard_files
 from pipeline.runner import RunContext
-from storage import Dataset, DatasetWriter, OpdError, read_tensor_column, tensor_array, tensor_field
-
-OUTPUT = "replays"
-STAGE = "score"
-VERSION = "1"
-INPUTS = ("rollouts", "drafter")
-USES_TARGET = True
+from pipeline.stage import DRAFTER_KINDS, Stage
+from storage import Dataset, DatasetWriter, read_tensor_column, tensor_array, tensor_field
 
 log = logging.getLogger("opd")
 
@@ -80,7 +75,7 @@ class Config(StrictConfig):
     samples: int = Field(1, ge=1)
     """Replays per anchor; forced to 1 at temperature 0 (greedy replays are identical)."""
     k: int = Field(6, ge=1)
-    """Replay depth: drafted tokens per replay."""
+    """Replay depth: drafted tokens per replay; set through `drafting.k`."""
     temperature: float = Field(0.0, ge=0)
     """The serving temperature: drafts are sampled from q and scored against p at it."""
     seed: int = 0
@@ -267,20 +262,6 @@ def score_shard(
     return pa.table(arrays, schema=schema)
 
 
-def check_same_vocab(rollouts: Dataset, drafter: Eagle3Drafter, drafter_ref: str) -> None:
-    """Refuse a drafter whose draft-vocab map differs from the one the rollout was drafted with."""
-    theirs = load_file(rollouts.file(VOCAB_FILE))
-    if not (
-        torch.equal(theirs["d2t"], drafter.d2t.cpu())
-        and torch.equal(theirs["t2d"], drafter.t2d.cpu())
-    ):
-        raise OpdError(
-            f"{drafter_ref} has another draft-vocab map (d2t/t2d) than {rollouts.ref} was drafted "
-            f"with ({rollouts.meta.get('drafter', '?')}); the map is frozen from the features stage "
-            "on: score with the drafter that made the rollout or one trained from it"
-        )
-
-
 def summarize(output: DatasetWriter, cfg: Config) -> dict[str, Any]:
     """Counts and mean acceptance per replay offset over every shard written (all ranks)."""
     kinds: list[str] = []
@@ -321,7 +302,7 @@ def run(
     check_same_target(rollouts, identity)
     target = ctx.target_loader.target
     drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
-    check_same_vocab(rollouts, drafter, str(drafter_ds.ref))
+    check_drafter_vocab(rollouts, drafter, str(drafter_ds.ref))
     if rank == 0 and not output.has_shard(VOCAB_FILE):
         output.write_file(VOCAB_FILE, rollouts.file(VOCAB_FILE))
 
@@ -359,3 +340,20 @@ def run(
         "rollout_drafter": rollouts.meta.get("drafter"),
         "target": identity,
     }
+
+
+STAGE = Stage(
+    name="score",
+    output="replays",
+    version="1",
+    config=Config,
+    run=run,
+    doc="replay drafting from the rollout's error positions; the target scores every proposal",
+    inputs={"rollouts": ("rollouts",), "drafter": DRAFTER_KINDS},
+    default_inputs={"drafter": "sft@latest"},
+    sharded=True,
+    per_round=True,
+    # A drafter the target never rejected leaves nothing to replay; opd then keeps it as is.
+    may_be_empty=True,
+    drafting={"k": "k"},
+)

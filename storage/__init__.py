@@ -2,11 +2,10 @@
 
 from storage.errors import CorruptDataset, DatasetNotFound, OpdError
 from storage.fingerprint import canonical_json, dataset_version
-from storage.store import DATASET_NAMES, Dataset, DatasetRef, DatasetWriter, Store, default_root
+from storage.store import Dataset, DatasetRef, DatasetWriter, Store, default_root
 from storage.tensors import read_tensor_column, tensor_array, tensor_field
 
 __all__ = [
-    "DATASET_NAMES",
     "CorruptDataset",
     "Dataset",
     "DatasetNotFound",

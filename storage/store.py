@@ -43,17 +43,6 @@ from storage.provenance import now_iso, provenance
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
-DATASET_NAMES = (
-    "prompts",
-    "trajectories",
-    "features",
-    "sft",
-    "rollouts",
-    "replays",
-    "opd",
-    "eval",
-    "report",
-)
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]*$")
 _VERSION_RE = re.compile(rf"^[0-9a-f]{{{VERSION_LEN}}}$")
 _SHARD_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
@@ -80,11 +69,6 @@ class DatasetRef:
         if not sep or not _NAME_RE.match(name) or not _VERSION_RE.match(version):
             raise OpdError(f"{text!r} is not an exact dataset ref; expected NAME@<12 hex digits>")
         return DatasetRef(name, version)
-
-
-def _check_name(name: str) -> None:
-    if name not in DATASET_NAMES:
-        raise OpdError(f"unknown dataset name {name!r}; known names: {', '.join(DATASET_NAMES)}")
 
 
 def _sha256_file(path: Path) -> str:
@@ -267,7 +251,7 @@ class DatasetWriter:
         rank: int = 0,
         world_size: int = 1,
     ):
-        _check_name(name)
+        store.check_name(name)
         if not 0 <= rank < world_size:
             raise OpdError(f"rank {rank} is not in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
@@ -476,6 +460,15 @@ class Store:
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root) if root is not None else default_root()
 
+    def check_name(self, name: str) -> None:
+        """Dataset names are whatever the stages call their outputs (`pipeline.stages`); the
+        store only requires them to be plain directory names."""
+        if not _NAME_RE.match(name):
+            raise OpdError(
+                f"{name!r} is not a dataset name: lowercase letters, digits, '-' and '_', "
+                "starting with a letter"
+            )
+
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r})"
 
@@ -545,13 +538,19 @@ class Store:
             raise OpdError(
                 f"bad dataset ref {text!r}; expected NAME@VERSION, NAME@latest or NAME@run:RUN"
             )
-        _check_name(name)
+        self.check_name(name)
+        if not (self.root / name).is_dir():
+            here = ", ".join(self.names()) or "none"
+            raise DatasetNotFound(
+                f"no dataset named {name!r} under {self.root} (datasets here: {here}): run the "
+                "stage that makes it first, or check the name and --root/OPD_HOME"
+            )
         if not sep or what == "latest":
             latest = self.root / name / "LATEST"
             if not latest.exists():
                 raise DatasetNotFound(
-                    f"no {name} dataset under {self.root} yet: run its stage first "
-                    f"(`opd run {name}`) or check --root/OPD_HOME"
+                    f"no complete {name} dataset under {self.root} yet: run the stage that "
+                    "makes it first (`opd ls` shows what exists)"
                 )
             return DatasetRef(name, latest.read_text().strip())
         if what.startswith("run:"):
@@ -595,12 +594,12 @@ class Store:
     def names(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return [n for n in DATASET_NAMES if (self.root / n).is_dir()]
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _NAME_RE.match(p.name))
 
     def listing(self, name: str | None = None) -> list[dict[str, Any]]:
         """One row per version directory: complete or not, rows, bytes, creation time."""
         if name is not None:
-            _check_name(name)
+            self.check_name(name)
         rows = []
         for n in [name] if name else self.names():
             latest_file = self.root / n / "LATEST"

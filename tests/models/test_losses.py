@@ -11,13 +11,16 @@ import torch.nn.functional as F
 from models.drafter import DraftVocab
 from models.losses import (
     acceptance_rate,
+    ce_rollout_loss,
     draft_opd_loss,
     draft_to_target_probs,
     expected_accepted_length,
     forward_kl,
     masked_mean,
+    replay_loss,
     reverse_kl,
     reverse_kl_sampled,
+    sft_loss,
     soft_cross_entropy,
     tau_from_alphas,
     teacher_draft_probs,
@@ -296,3 +299,111 @@ def test_draft_opd_loss_matches_brute_force_and_masks():
     )
     with pytest.raises(TypeError, match="accepted mask must be bool"):
         draft_opd_loss(logits, teacher, accepted.float(), mask)
+
+
+# ----------------------------------------------------------------------------- stage losses
+
+
+def _unroll(steps: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = [torch.randn(B, T, VD, generator=g) for _ in range(steps)]
+    valid = [torch.rand(B, T, generator=g) > 0.3 for _ in range(steps)]
+    teacher = torch.randn(B, T, VD, generator=g).softmax(-1)
+    return logits, valid, teacher
+
+
+def test_sft_loss_scores_step_k_against_the_teacher_k_plus_1_rows_later():
+    logits, valid, teacher = _unroll(3)
+    want_terms = []
+    for k in range(3):
+        n = T - k - 1
+        want_terms.append(
+            soft_cross_entropy(logits[k][:, :n], teacher[:, k + 1 :], valid[k][:, :n])
+        )
+    got = sft_loss(logits, valid, teacher, 0.8)
+    want = ttt_loss(
+        [lg[:, : T - k - 1] for k, lg in enumerate(logits)],
+        [teacher[:, k + 1 :] for k in range(3)],
+        [v[:, : T - k - 1] for k, v in enumerate(valid)],
+        0.8,
+    )
+    torch.testing.assert_close(got, want)
+    # rows past T-k-2 have no teacher: garbage there changes nothing
+    dirty = [lg.clone() for lg in logits]
+    for k in range(3):
+        dirty[k][:, T - k - 1 :] = float("nan")
+    torch.testing.assert_close(sft_loss(dirty, valid, teacher, 0.8), got)
+    # and the alignment matters: the unshifted teacher gives another value
+    assert not torch.isclose(got, ttt_loss(logits, [teacher] * 3, valid, 0.8))
+
+
+def test_ce_rollout_loss_drops_anchor_rows_after_step_zero_only():
+    logits, valid, teacher = _unroll(3, seed=1)
+    anchors = torch.zeros(B, T, dtype=torch.bool)
+    anchors[:, 1] = True
+    got = ce_rollout_loss(logits, valid, teacher, anchors, 0.8)
+    by_hand = [valid[0]] + [v & ~anchors for v in valid[1:]]
+    torch.testing.assert_close(got, sft_loss(logits, by_hand, teacher, 0.8))
+    # without anchors it is plain sft_loss; with them it differs
+    none = torch.zeros_like(anchors)
+    torch.testing.assert_close(
+        ce_rollout_loss(logits, valid, teacher, none, 0.8), sft_loss(logits, valid, teacher, 0.8)
+    )
+    assert not torch.isclose(got, sft_loss(logits, valid, teacher, 0.8))
+
+
+def _replay_inputs(vocab: DraftVocab, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    N, K = 4, 3
+    logits = torch.randn(N, K, VD, generator=g)
+    target_logits = torch.randn(N, K, V, generator=g) * 2
+    tokens = vocab.to_target(torch.randint(0, VD, (N, K), generator=g))
+    accepted = torch.rand(N, K, generator=g) > 0.5
+    mask = torch.ones(N, K, dtype=torch.bool)
+    mask[0, 2] = False
+    return logits, target_logits, tokens, accepted, mask
+
+
+def test_replay_loss_families_equal_their_primitives(vocab):
+    logits, target_logits, tokens, accepted, mask = _replay_inputs(vocab)
+    temp = 0.7
+    q = (logits / temp).softmax(-1)
+    teacher = teacher_draft_probs(target_logits, vocab, temp)
+    p_full = teacher_draft_probs(target_logits, vocab, temp, renormalize=False)
+
+    def loss(name):
+        return replay_loss(
+            name, logits, target_logits, tokens, accepted, mask, vocab, temperature=temp
+        )
+
+    torch.testing.assert_close(
+        loss("draft_opd"), draft_opd_loss(logits / temp, teacher, accepted, mask, gamma=0.8)
+    )
+    torch.testing.assert_close(loss("tv"), masked_mean(total_variation(q, p_full), mask))
+    torch.testing.assert_close(
+        loss("expected_length"),
+        -expected_accepted_length(acceptance_rate(q, p_full), mask).mean(),
+    )
+    ids = vocab.to_draft(tokens)[..., None]
+    logq = (logits / temp).log_softmax(-1).gather(-1, ids)[..., 0]
+    logp = teacher.gather(-1, ids)[..., 0].log()
+    for est in ("k1", "k3"):
+        torch.testing.assert_close(
+            loss(f"reverse_kl_{est}"), reverse_kl_sampled(logq, logp, mask, estimator=est)
+        )
+    with pytest.raises(ValueError, match="unknown loss"):
+        loss("nonsense")
+
+
+def test_replay_loss_ignores_masked_positions(vocab):
+    logits, target_logits, tokens, accepted, mask = _replay_inputs(vocab, seed=3)
+    for name in ("draft_opd", "reverse_kl_k1", "reverse_kl_k3", "tv", "expected_length"):
+        clean = replay_loss(
+            name, logits, target_logits, tokens, accepted, mask, vocab, temperature=1.0
+        )
+        dirty_logits = logits.clone()
+        dirty_logits[~mask] = 1e3 * torch.randn_like(dirty_logits[~mask])
+        dirty = replay_loss(
+            name, dirty_logits, target_logits, tokens, accepted, mask, vocab, temperature=1.0
+        )
+        torch.testing.assert_close(dirty, clean, msg=name)

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
+from cli.main import cli
 from pipeline import analyze
-from pipeline.cli import cli
 from pipeline.runner import run_stage
 from storage import OpdError
 
@@ -284,7 +284,7 @@ def _write_log(store, identity, name="rollouts", rnd=1, rows=ROWS, steps=STEPS):
 
 def _analyze(ctx, *datasets, **cfg):
     inputs = dict(zip(analyze.source_roles(len(datasets)), datasets, strict=True))
-    return run_stage(analyze, analyze.Config(position_bucket=8, **cfg), inputs, ctx).dataset
+    return run_stage(analyze.STAGE, analyze.Config(position_bucket=8, **cfg), inputs, ctx).dataset
 
 
 def _check_png(path):

@@ -12,16 +12,16 @@ from pipeline.runner import run_stage
 @pytest.fixture
 def drafted(tiny):
     store, ctx, cfg, prompts = tiny
-    traj = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx).dataset
-    feats = run_stage(features, cfg.features, {"trajectories": traj}, ctx).dataset
-    drafter = run_stage(sft, cfg.sft, {"features": feats}, ctx).dataset
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
+    feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
+    drafter = run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
     return ctx, cfg, prompts, drafter
 
 
 def test_evaluate_reports_consistent_tau_alpha_and_forwards(drafted):
     ctx, cfg, prompts, drafter = drafted
     ecfg = cfg.evaluate.model_copy(update={"batch_size": 2})
-    ds = run_stage(evaluate, ecfg, {"prompts": prompts, "drafter": drafter}, ctx).dataset
+    ds = run_stage(evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": drafter}, ctx).dataset
     stats = ds.meta
     steps = pl.read_parquet(ds.file("steps.parquet"))
     drafts = pl.read_parquet(ds.file("drafts.parquet"))

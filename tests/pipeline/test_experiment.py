@@ -5,8 +5,8 @@ import json
 import polars as pl
 from click.testing import CliRunner
 
-from pipeline import experiment, rollout, sft
-from pipeline.cli import cli
+from cli.main import cli
+from pipeline import drafters, experiment, rollout
 from pipeline.profiles import load_config
 
 
@@ -37,7 +37,7 @@ def test_opd_vs_sft_matches_budgets_and_reports_every_arm(tiny):
             "more_features": warm.inputs["features"],  # the original features too
             "drafter": str(warm.ref),
         }
-        spent = pl.read_parquet(ds.file(sft.METRICS_FILE)).filter(pl.col("kind") == "train")
+        spent = pl.read_parquet(ds.file(drafters.METRICS_FILE)).filter(pl.col("kind") == "train")
         last = int(spent["tokens"][-1]) * ds.config["stage"]["ttt_steps"]
         assert budget <= cont["budget_row_steps"] < budget + last
         # Draft-OPD: the same budget (one round here), starting from the same warm-up

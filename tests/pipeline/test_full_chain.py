@@ -62,9 +62,9 @@ def test_full_chain_runs_caches_and_recomputes_exactly_what_a_change_touches(tin
 def test_round_steps_by_name_and_zero_rounds():
     cfg = load_config("tiny")
     step = chains.single_step("score-r2", cfg)
-    assert step.module is score and step.cfg.round == 2 and step.key == "score-r2"
+    assert step.stage is score.STAGE and step.cfg.round == 2 and step.key == "score-r2"
     assert chains.single_step("opd", cfg).cfg.round == 1
-    assert chains.single_step("rollout-r3", cfg).module is rollout
+    assert chains.single_step("rollout-r3", cfg).stage is rollout.STAGE
     with pytest.raises(OpdError, match="unknown stage"):
         chains.single_step("score-rx", cfg)
     # without rounds the chain evaluates the SFT drafter; with the features anchor opd reads them
@@ -74,5 +74,5 @@ def test_round_steps_by_name_and_zero_rounds():
     anchored = chains.CHAINS["full"](
         load_config("tiny", sets=["opd.ce_lambda=0.1", "opd.ce_source=features"])
     )
-    opd_steps = [s for s in anchored if s.module is opd]
+    opd_steps = [s for s in anchored if s.stage is opd.STAGE]
     assert [s.inputs.get("features") for s in opd_steps] == ["features", "features"]

@@ -11,7 +11,7 @@ from storage import OpdError, read_tensor_column
 
 def test_generate_greedy_matches_target_and_masks(tiny):
     store, ctx, cfg, prompts = tiny
-    res = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx)
+    res = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx)
     traj = res.dataset
     df = traj.scan().collect()
     assert len(df) == 12 and traj.num_rows == 12
@@ -25,13 +25,13 @@ def test_generate_greedy_matches_target_and_masks(tiny):
             len(row["input_ids"]) - row["prompt_len"]
         )
     # a second run is a no-op that returns the same version
-    again = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx)
+    again = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx)
     assert again.reused and again.ref == res.ref
 
 
 def test_generate_ranks_write_disjoint_shards_and_equal_single_worker(tiny, tmp_path):
     store, ctx, cfg, prompts = tiny
-    single = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx).dataset
+    single = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
     sums = {s["path"]: s["sha256"] for s in single.manifest["shards"]}
     # same version from two ranks, written into a second store
     from pipeline.runner import RunContext
@@ -43,16 +43,16 @@ def test_generate_ranks_write_disjoint_shards_and_equal_single_worker(tiny, tmp_
     p2 = write_prompts(other)
     assert p2.ref == prompts.ref
     ctx2 = RunContext(store=other, target_loader=ctx.target_loader, progress=False)
-    r0 = run_stage(generate, cfg.generate, {"prompts": p2}, ctx2, rank=0, world_size=2)
+    r0 = run_stage(generate.STAGE, cfg.generate, {"prompts": p2}, ctx2, rank=0, world_size=2)
     assert r0.dataset is None  # rank 1 has not finished
-    r1 = run_stage(generate, cfg.generate, {"prompts": p2}, ctx2, rank=1, world_size=2)
+    r1 = run_stage(generate.STAGE, cfg.generate, {"prompts": p2}, ctx2, rank=1, world_size=2)
     assert {s["path"]: s["sha256"] for s in r1.dataset.manifest["shards"]} == sums
 
 
 def test_features_cache_matches_a_fresh_forward(tiny):
     store, ctx, cfg, prompts = tiny
-    traj = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx).dataset
-    feats = run_stage(features, cfg.features, {"trajectories": traj}, ctx).dataset
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
+    feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
     assert feats.meta["aux_layer_ids"] == [1, 2, 3]
     vocab = load_file(feats.file(features.VOCAB_FILE))
     assert int(vocab["t2d"].sum()) == 512 and vocab["d2t"].shape == (512,)
@@ -87,13 +87,13 @@ def test_features_cache_matches_a_fresh_forward(tiny):
 
 def test_features_refuse_trajectories_of_another_target(tiny):
     store, ctx, cfg, prompts = tiny
-    traj = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx).dataset
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
     other = TargetLoader(TargetConfig(path="random", random={"seed": 1}))
     from pipeline.runner import RunContext
 
     ctx2 = RunContext(store=store, target_loader=other, progress=False)
     with pytest.raises(OpdError, match="different target"):
-        run_stage(features, cfg.features, {"trajectories": traj}, ctx2)
+        run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx2)
     assert not store.versions("features") or not any(
         r["complete"] for r in store.listing("features")
     )
@@ -102,7 +102,7 @@ def test_features_refuse_trajectories_of_another_target(tiny):
 def test_generate_refuses_empty_split(tiny):
     store, ctx, cfg, prompts = tiny
     bad = cfg.generate.model_copy(update={"split": "heldout", "max_prompts": None})
-    assert run_stage(generate, bad, {"prompts": prompts}, ctx).dataset.num_rows == 4
+    assert run_stage(generate.STAGE, bad, {"prompts": prompts}, ctx).dataset.num_rows == 4
     from storage import Store
     from tests.pipeline.conftest import write_prompts
 
@@ -112,4 +112,4 @@ def test_generate_refuses_empty_split(tiny):
 
     ctx2 = RunContext(store=empty_store, target_loader=ctx.target_loader, progress=False)
     with pytest.raises(OpdError, match="no 'train' prompts"):
-        run_stage(generate, cfg.generate, {"prompts": p}, ctx2)
+        run_stage(generate.STAGE, cfg.generate, {"prompts": p}, ctx2)

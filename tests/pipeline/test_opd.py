@@ -15,11 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.drafter import DrafterCache, load_drafter
-from pipeline import features, generate, opd, sft, training
+from models.losses import replay_loss
+from pipeline import drafters, features, generate, opd, sft, training
 from pipeline.drafters import load_drafter_dataset
 from pipeline.profiles import load_config
 from pipeline.runner import RunContext, run_stage
 from pipeline.targets import TargetLoader
+from pipeline.trainer import TrainingStopped
 from storage import OpdError, Store, tensor_array, tensor_field
 from tests.pipeline.conftest import write_prompts
 
@@ -127,10 +129,10 @@ def world(tmp_path_factory):
     cfg = load_config("tiny")
     ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
     prompts = write_prompts(store)
-    traj = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx).dataset
-    feats = run_stage(features, cfg.features, {"trajectories": traj}, ctx).dataset
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
+    feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
     drafter = run_stage(
-        sft, sft.Config(steps=6, ttt_steps=3, tau_k=3, **FAST), {"features": feats}, ctx
+        sft.STAGE, sft.Config(steps=6, ttt_steps=3, tau_k=3, **FAST), {"features": feats}, ctx
     ).dataset
     rollouts = _copy_as_rollouts(store, feats)
     replays = make_replays(store, ctx.target_loader.target, drafter, rollouts)
@@ -207,7 +209,7 @@ def test_loss_on_hand_made_replays_equals_a_direct_computation(world, name):
     target_logits = target.logits_from_hidden(b.teacher_hidden)
     accepted, mask = opd.replay_outcomes(b.accept_prob, b.replay_length, "all", torch.Generator())
     assert accepted.any() and (~accepted).any()
-    got = opd.replay_loss(
+    got = replay_loss(
         name, logits, target_logits, b.tokens, accepted, mask, drafter.vocab, temperature=0.7
     )
 
@@ -220,7 +222,7 @@ def test_loss_on_hand_made_replays_equals_a_direct_computation(world, name):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     # the reference is sensitive: the teacher of the wrong position gives another value
     shifted = target_logits.roll(1, dims=1)
-    other = opd.replay_loss(
+    other = replay_loss(
         name, logits, shifted, b.tokens, accepted, mask, drafter.vocab, temperature=0.7
     )
     assert (other - want).abs() > 20 * (got - want).abs() + 1e-6
@@ -274,7 +276,7 @@ def _training_loss(drafter, index, rows, target):
             b.accept_prob, b.replay_length, "all", torch.Generator()
         )
         return float(
-            opd.replay_loss(
+            replay_loss(
                 "draft_opd",
                 logits,
                 target.logits_from_hidden(b.teacher_hidden),
@@ -291,8 +293,8 @@ def test_opd_steps_reduce_the_loss_and_write_an_sft_shaped_drafter(world):
     store, ctx = world["store"], world["ctx"]
     target = ctx.target_loader.target
     cfg = opd.Config(steps=10, **PURE)
-    ds = run_stage(opd, cfg, _inputs(world), ctx).dataset
-    assert ds.ref.name == "opd" and set(ds.shards()) == set(opd.OUTPUT_FILES)
+    ds = run_stage(opd.STAGE, cfg, _inputs(world), ctx).dataset
+    assert ds.ref.name == "opd" and set(ds.shards()) == set(drafters.OUTPUT_FILES)
     assert not (store.root / "_work" / "opd" / ds.ref.version).exists()
     # the vocab map is the drafter's, byte for byte, and the weights carry the same d2t/t2d
     src = world["drafter"]
@@ -307,7 +309,7 @@ def test_opd_steps_reduce_the_loss_and_write_an_sft_shaped_drafter(world):
         start, index, rows, target
     )
 
-    m = pl.read_parquet(ds.file(opd.METRICS_FILE))
+    m = pl.read_parquet(ds.file(drafters.METRICS_FILE))
     train = m.filter(pl.col("kind") == "train")
     assert train["step"].to_list() == list(range(1, 11))
     # budget accounting: rows unrolled x K per step, exactly what the plan predicts
@@ -316,10 +318,10 @@ def test_opd_steps_reduce_the_loss_and_write_an_sft_shaped_drafter(world):
     assert val["step"].to_list() == [0, 4, 8, 10]
     assert all(len(a) == K for a in val["replay_acc"].to_list())
     assert all(len(a) == 6 for a in val["acc"].to_list())  # teacher-forced, val_ttt_steps
-    summary = json.loads(ds.file(opd.SUMMARY_FILE).read_text())
+    summary = json.loads(ds.file(drafters.SUMMARY_FILE).read_text())
     assert summary["trained"] and summary["budget_row_steps"] == int(train["row_steps"].sum())
     assert summary["drafter"] == str(src.ref)
-    assert run_stage(opd, cfg, _inputs(world), ctx).reused
+    assert run_stage(opd.STAGE, cfg, _inputs(world), ctx).reused
 
 
 def test_budget_sets_the_steps_and_every_loss_and_anchor_trains(world):
@@ -333,8 +335,8 @@ def test_budget_sets_the_steps_and_every_loss_and_anchor_trains(world):
         ),
     ):
         cfg = opd.Config(budget_row_steps=700, **FAST | over)
-        ds = run_stage(opd, cfg, _inputs(world, **inputs), ctx).dataset
-        spent = pl.read_parquet(ds.file(opd.METRICS_FILE)).filter(pl.col("kind") == "train")[
+        ds = run_stage(opd.STAGE, cfg, _inputs(world, **inputs), ctx).dataset
+        spent = pl.read_parquet(ds.file(drafters.METRICS_FILE)).filter(pl.col("kind") == "train")[
             "row_steps"
         ]
         assert spent.sum() >= 700 > spent.sum() - spent[-1], over  # the fewest steps reaching it
@@ -351,23 +353,23 @@ def test_resumed_run_matches_uninterrupted_bit_for_bit(world):
     )
     assert cfg.bf16
     stop = cfg.model_copy(update={"stop_after_steps": 5})
-    with pytest.raises(opd.TrainingStopped, match="after step 5"):
-        run_stage(opd, stop, _inputs(world), ctx)
+    with pytest.raises(TrainingStopped, match="after step 5"):
+        run_stage(opd.STAGE, stop, _inputs(world), ctx)
     work = store.root / "_work" / "opd"
     (version,) = [p.name for p in work.iterdir()]
     ckpts = training.Checkpointer(work / version)
     assert ckpts.latest() == 5
     shutil.rmtree(ckpts.path(5))  # killed between checkpoints: resumes from step 4
-    resumed = run_stage(opd, cfg, _inputs(world), ctx).dataset
+    resumed = run_stage(opd.STAGE, cfg, _inputs(world), ctx).dataset
     assert resumed.ref.version == version
     cols = ["kind", "step", "loss", "lr", "grad_norm", "row_steps", "replay_acc"]
     weights = load_file(resumed.file("model.safetensors"))
-    metrics = pl.read_parquet(resumed.file(opd.METRICS_FILE)).select(cols)
-    fresh = run_stage(opd, cfg, _inputs(world), ctx, force=True).dataset
+    metrics = pl.read_parquet(resumed.file(drafters.METRICS_FILE)).select(cols)
+    fresh = run_stage(opd.STAGE, cfg, _inputs(world), ctx, force=True).dataset
     fresh_weights = load_file(fresh.file("model.safetensors"))
     assert weights.keys() == fresh_weights.keys()
     assert all(torch.equal(weights[k], fresh_weights[k]) for k in weights)
-    assert metrics.equals(pl.read_parquet(fresh.file(opd.METRICS_FILE)).select(cols))
+    assert metrics.equals(pl.read_parquet(fresh.file(drafters.METRICS_FILE)).select(cols))
     assert metrics.filter(pl.col("kind") == "train").height == 7
 
 
@@ -394,7 +396,7 @@ def test_foreign_vocab_and_foreign_rollouts_are_refused(world, tmp_path):
         tag="foreign",
     )
     with pytest.raises(OpdError, match="another draft-vocab map"):
-        run_stage(opd, opd.Config(steps=2, **FAST), _inputs(world, replays=foreign), ctx)
+        run_stage(opd.STAGE, opd.Config(steps=2, **FAST), _inputs(world, replays=foreign), ctx)
     # replays scored on another rollout cannot be placed on this one
     w = store.writer("rollouts", stage="test-rollout", stage_version="1", config={"other": True})
     with w:
@@ -404,7 +406,7 @@ def test_foreign_vocab_and_foreign_rollouts_are_refused(world, tmp_path):
         w.write_file(features.VOCAB_FILE, world["feats"].file(features.VOCAB_FILE))
         elsewhere = w.commit()
     with pytest.raises(OpdError, match="was scored on"):
-        run_stage(opd, opd.Config(steps=2, **FAST), _inputs(world, rollouts=elsewhere), ctx)
+        run_stage(opd.STAGE, opd.Config(steps=2, **FAST), _inputs(world, rollouts=elsewhere), ctx)
     assert complete() == before  # nothing committed
 
 
@@ -413,7 +415,9 @@ def test_empty_replays_are_a_clear_no_op(world, caplog):
     empty = write_replay_rows(store, [], 64, world["rollouts"], world["drafter"], tag="empty")
     assert empty.num_rows == 0
     with caplog.at_level("WARNING", logger="opd"):
-        ds = run_stage(opd, opd.Config(steps=3, **FAST), _inputs(world, replays=empty), ctx).dataset
+        ds = run_stage(
+            opd.STAGE, opd.Config(steps=3, **FAST), _inputs(world, replays=empty), ctx
+        ).dataset
     assert "nothing to train on" in caplog.text
     assert ds.meta["trained"] is False and ds.meta["steps"] == 0
     src = world["drafter"]
@@ -470,7 +474,7 @@ store = Store(root)
 ctx = RunContext(store=store, target_loader=TargetLoader(load_config("tiny").target), progress=False)
 cfg = opd.Config(steps=3, batch_size=2, val_share=0.2, val_every=2, bf16=False, seed=11)
 inputs = {role: store.open(ref) for role, ref in refs.items()}
-res = run_stage(opd, cfg, inputs, ctx, rank=rank, world_size=2)
+res = run_stage(opd.STAGE, cfg, inputs, ctx, rank=rank, world_size=2)
 print("COMMITTED" if res.dataset is not None else "WAITED", flush=True)
 dist.destroy_process_group()
 """
@@ -503,7 +507,7 @@ def test_opd_under_ddp_with_two_gloo_ranks_commits_once(world, tmp_path):
     assert [o[0].strip().splitlines()[-1] for o in outs] == ["COMMITTED", "WAITED"]
     ds = store.open("opd@latest")
     assert ds.meta["trained"] and ds.meta["steps"] == 3
-    m = pl.read_parquet(ds.file(opd.METRICS_FILE)).filter(pl.col("kind") == "train")
+    m = pl.read_parquet(ds.file(drafters.METRICS_FILE)).filter(pl.col("kind") == "train")
     # each step's row-steps are summed over both ranks' batches: exactly what the plan says
     index = opd.ReplayIndex(world["replays"], world["rollouts"], full_sequences=True)
     _, val = training.holdout_split(index.features.keys, 0.2, 11)

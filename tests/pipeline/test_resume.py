@@ -18,7 +18,7 @@ SETS = ["--set", "features.rows_per_shard=1", "--set", "features.batch_size=1"]
 def _opd(root: Path, *args: str) -> subprocess.Popen:
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "--root", str(root), *args],
+        [sys.executable, "-m", "cli.main", "--root", str(root), *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -28,7 +28,7 @@ def _opd(root: Path, *args: str) -> subprocess.Popen:
 
 def test_features_killed_mid_run_resume_to_identical_checksums(tiny, tmp_path):
     store, ctx, cfg, prompts = tiny
-    run_stage(generate, cfg.generate, {"prompts": prompts}, ctx)
+    run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx)
     crash_root = tmp_path / "crash"
     shutil.copytree(store.root, crash_root)
 

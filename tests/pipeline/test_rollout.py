@@ -3,7 +3,10 @@
 import polars as pl
 import pytest
 import torch
+from click.testing import CliRunner
 
+from cli.main import cli
+from models.speculative import replay_drafts
 from pipeline import features, generate, rollout, sft
 from pipeline.profiles import load_config
 from pipeline.runner import RunContext, run_stage
@@ -20,9 +23,9 @@ def drafter_env(root):
     cfg = load_config("tiny")
     ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
     prompts = write_prompts(store)
-    traj = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx).dataset
-    feats = run_stage(features, cfg.features, {"trajectories": traj}, ctx).dataset
-    drafter = run_stage(sft, cfg.sft, {"features": feats}, ctx).dataset
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
+    feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
+    drafter = run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
     return store, ctx, prompts, drafter
 
 
@@ -39,8 +42,10 @@ def rollout_cfg(**over) -> rollout.Config:
 @pytest.fixture(scope="module")
 def greedy(env):
     store, ctx, prompts, drafter = env
-    ctx.extra["run_name"] = "test-run"
-    return run_stage(rollout, rollout_cfg(), {"prompts": prompts, "drafter": drafter}, ctx).dataset
+    ctx.run_name = "test-run"
+    return run_stage(
+        rollout.STAGE, rollout_cfg(), {"prompts": prompts, "drafter": drafter}, ctx
+    ).dataset
 
 
 def test_rollout_writes_every_file_and_equals_greedy_decoding(env, greedy):
@@ -85,11 +90,12 @@ def test_rollout_writes_every_file_and_equals_greedy_decoding(env, greedy):
         torch.testing.assert_close(aux[rows].float(), out.aux_hidden[0], atol=0.05, rtol=0.02)
         torch.testing.assert_close(last[rows].float(), out.last_hidden[0], atol=0.05, rtol=0.02)
 
-    again = run_stage(rollout, rollout_cfg(), {"prompts": prompts, "drafter": drafter}, ctx)
+    again = run_stage(rollout.STAGE, rollout_cfg(), {"prompts": prompts, "drafter": drafter}, ctx)
     assert again.reused and again.ref == ds.ref
     other_round = rollout_cfg(round=2)
     assert (
-        run_stage(rollout, other_round, {"prompts": prompts, "drafter": drafter}, ctx).ref != ds.ref
+        run_stage(rollout.STAGE, other_round, {"prompts": prompts, "drafter": drafter}, ctx).ref
+        != ds.ref
     )
 
 
@@ -178,10 +184,22 @@ def test_polars_answers_acceptance_by_offset_and_top_rejected_tokens(env, greedy
     assert table["text"].to_list() == [tok.decode([t]) for t in top["token"]]
 
 
+def test_run_name_from_the_cli_reaches_the_rejection_log(env):
+    store, ctx, prompts, drafter = env
+    args = ["--root", str(store.root), "run", "rollout", "--profile", "tiny", "--no-progress"]
+    args += ["--run-name", "nightly", "--input", f"drafter={drafter.ref}"]
+    args += ["--set", "rollout.max_prompts=2", "--set", "rollout.max_new_tokens=6"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    ds = store.open("rollouts@run:nightly")
+    runs = pl.read_parquet(ds.path / "rejections-*.parquet")["run"].unique().to_list()
+    assert runs == ["nightly"]
+
+
 def test_sampled_rollout_logs_what_the_drafter_proposed(env):
     store, ctx, prompts, drafter_ds = env
     cfg = rollout_cfg(temperature=1.0, max_prompts=4, rows_per_shard=4)
-    ds = run_stage(rollout, cfg, {"prompts": prompts, "drafter": drafter_ds}, ctx).dataset
+    ds = run_stage(rollout.STAGE, cfg, {"prompts": prompts, "drafter": drafter_ds}, ctx).dataset
     log = pl.read_parquet(ds.file("rejections-00000.parquet"))
     reached = log.filter(pl.col("outcome") != "not_reached")
     ratio = (reached["p"] / reached["q"]).clip(upper_bound=1.0)
@@ -198,7 +216,7 @@ def test_sampled_rollout_logs_what_the_drafter_proposed(env):
     rows = log.filter(pl.col("seq_id") == first)
     blocks = rows.group_by("step", maintain_order=True).agg("anchor", "token", "q")
     full = [b for b in blocks.iter_rows(named=True) if len(b["token"]) == cfg.k]
-    chains = rollout.replay_drafts(
+    chains = replay_drafts(
         drafter,
         aux[off[0] : off[1]],
         torch.tensor(table.column("input_ids")[0].as_py()),
@@ -223,7 +241,10 @@ def test_empty_split_is_refused(env):
     ctx2 = RunContext(store=empty, target_loader=ctx.target_loader, progress=False)
     with pytest.raises(OpdError, match="no 'heldout' prompts"):
         run_stage(
-            rollout, rollout_cfg(split="heldout"), {"prompts": no_heldout, "drafter": drafter}, ctx2
+            rollout.STAGE,
+            rollout_cfg(split="heldout"),
+            {"prompts": no_heldout, "drafter": drafter},
+            ctx2,
         )
     assert not any(r["complete"] for r in empty.listing("rollouts"))
 
@@ -238,13 +259,15 @@ def test_skip_and_new_prompts_each_round_select_fresh_prompts(env):
         (dict(max_prompts=5, skip_prompts=9), train[9:12]),  # the split ends first
     ]
     for over, want in cases:
-        ds = run_stage(rollout, rollout_cfg(**over), {"prompts": prompts, "drafter": drafter}, ctx)
+        ds = run_stage(
+            rollout.STAGE, rollout_cfg(**over), {"prompts": prompts, "drafter": drafter}, ctx
+        )
         files = sorted(f for f in ds.dataset.shards("parquet") if f.startswith("sequences-"))
         seqs = pl.read_parquet([ds.dataset.file(f) for f in files])
         assert seqs["prompt_id"].to_list() == want, over
     with pytest.raises(OpdError, match="past the first 12"):
         run_stage(
-            rollout,
+            rollout.STAGE,
             rollout_cfg(max_prompts=2, skip_prompts=12),
             {"prompts": prompts, "drafter": drafter},
             ctx,
@@ -256,12 +279,15 @@ def test_skip_and_new_prompts_each_round_select_fresh_prompts(env):
 def test_two_ranks_write_the_same_bytes_as_one(env, greedy, tmp_path):
     store, ctx, prompts, drafter = env
     other = Store(tmp_path / "ranks")
-    ctx2 = RunContext(store=other, target_loader=ctx.target_loader, progress=False)
-    ctx2.extra["run_name"] = "test-run"
+    ctx2 = RunContext(
+        store=other, target_loader=ctx.target_loader, progress=False, run_name="test-run"
+    )
     inputs = {"prompts": write_prompts(other), "drafter": drafter}
     # rank 1 first: rank 0 waits for the other ranks' shards before it summarises and commits
-    assert run_stage(rollout, rollout_cfg(), inputs, ctx2, rank=1, world_size=2).dataset is None
-    ds = run_stage(rollout, rollout_cfg(), inputs, ctx2, rank=0, world_size=2).dataset
+    assert (
+        run_stage(rollout.STAGE, rollout_cfg(), inputs, ctx2, rank=1, world_size=2).dataset is None
+    )
+    ds = run_stage(rollout.STAGE, rollout_cfg(), inputs, ctx2, rank=0, world_size=2).dataset
     assert ds.ref == greedy.ref
     assert {s["path"]: s["sha256"] for s in ds.manifest["shards"]} == {
         s["path"]: s["sha256"] for s in greedy.manifest["shards"]

@@ -24,8 +24,10 @@ def env(tmp_path_factory):
     """(store, ctx, drafter dataset, loaded drafter, rollout at T=0, rollout at T=1)."""
     store, ctx, prompts, drafter_ds = drafter_env(tmp_path_factory.mktemp("data"))
     inputs = {"prompts": prompts, "drafter": drafter_ds}
-    greedy = run_stage(rollout, rollout_cfg(), inputs, ctx).dataset
-    sampled = run_stage(rollout, rollout_cfg(temperature=1.0, max_prompts=5), inputs, ctx).dataset
+    greedy = run_stage(rollout.STAGE, rollout_cfg(), inputs, ctx).dataset
+    sampled = run_stage(
+        rollout.STAGE, rollout_cfg(temperature=1.0, max_prompts=5), inputs, ctx
+    ).dataset
     target = ctx.target_loader.target
     drafter = load_drafter_dataset(drafter_ds, target, ctx.target_loader.identity)
     return store, ctx, drafter_ds, drafter, greedy, sampled
@@ -83,7 +85,9 @@ def test_anchors_are_the_rejections_plus_the_configured_share(env):
     store, ctx, drafter_ds, drafter, greedy, sampled = env
     truth = log_positions(greedy)
     inputs = {"rollouts": greedy, "drafter": drafter_ds}
-    only = replays_of(run_stage(score, score.Config(k=3, accepted_share=0.0), inputs, ctx).dataset)
+    only = replays_of(
+        run_stage(score.STAGE, score.Config(k=3, accepted_share=0.0), inputs, ctx).dataset
+    )
     got = {s: sorted(g["anchor"]) for (s,), g in only.group_by("seq_id")}
     want = {s: sorted(o["rejected"]) for s, o in truth.items() if o.get("rejected")}
     assert got == want and set(only["kind"]) == {"rejected"} and set(only["sample"]) == {0}
@@ -92,7 +96,9 @@ def test_anchors_are_the_rejections_plus_the_configured_share(env):
         table = greedy.read_ipc(r["shard"])
         assert table.column("seq_id")[r["row"]].as_py() == r["seq_id"]
 
-    mixed = replays_of(run_stage(score, score.Config(k=3, accepted_share=1.0), inputs, ctx).dataset)
+    mixed = replays_of(
+        run_stage(score.STAGE, score.Config(k=3, accepted_share=1.0), inputs, ctx).dataset
+    )
     for (seq_id,), g in mixed.group_by("seq_id"):
         kinds = dict(zip(g["anchor"], g["kind"], strict=True))
         rejected = {a for a, k in kinds.items() if k == "rejected"}
@@ -104,7 +110,7 @@ def test_anchors_are_the_rejections_plus_the_configured_share(env):
 
     capped = replays_of(
         run_stage(
-            score, score.Config(k=3, accepted_share=1.0, max_anchors_per_seq=2), inputs, ctx
+            score.STAGE, score.Config(k=3, accepted_share=1.0, max_anchors_per_seq=2), inputs, ctx
         ).dataset
     )
     per_seq = capped.group_by("seq_id").agg(pl.col("anchor"))
@@ -133,7 +139,7 @@ def test_greedy_replays_are_the_drafters_own_chains_and_teachers_are_exact(env):
     store, ctx, drafter_ds, drafter, greedy, sampled = env
     target = ctx.target_loader.target
     cfg = score.Config(k=4, accepted_share=1.0)
-    ds = run_stage(score, cfg, {"rollouts": greedy, "drafter": drafter_ds}, ctx).dataset
+    ds = run_stage(score.STAGE, cfg, {"rollouts": greedy, "drafter": drafter_ds}, ctx).dataset
     assert (
         ds.file(features.VOCAB_FILE).read_bytes() == greedy.file(features.VOCAB_FILE).read_bytes()
     )
@@ -161,7 +167,7 @@ def test_sampled_replays_carry_behaviour_logq_and_consistent_acceptance(env):
     store, ctx, drafter_ds, drafter, greedy, sampled = env
     target = ctx.target_loader.target
     cfg = score.Config(k=3, temperature=1.0, samples=2, accepted_share=0.5)
-    ds = run_stage(score, cfg, {"rollouts": sampled, "drafter": drafter_ds}, ctx).dataset
+    ds = run_stage(score.STAGE, cfg, {"rollouts": sampled, "drafter": drafter_ds}, ctx).dataset
     df = replays_of(ds)
     assert set(df["sample"]) == {0, 1} and ds.meta["replays"] == len(df) == 2 * ds.meta["anchors"]
     pairs = df.group_by("seq_id", "anchor").agg(pl.col("tokens"))
@@ -211,16 +217,18 @@ def test_refuses_another_vocab_map_and_another_target(env):
         store, ctx, DraftVocab.from_counts(counts, drafter.config.draft_vocab_size)
     )
     with pytest.raises(OpdError, match="another draft-vocab map"):
-        run_stage(score, score.Config(), {"rollouts": greedy, "drafter": foreign}, ctx)
+        run_stage(score.STAGE, score.Config(), {"rollouts": greedy, "drafter": foreign}, ctx)
     # a newer drafter with the same map is accepted
     same = write_drafter_dataset(store, ctx, drafter.vocab)
-    ds = run_stage(score, score.Config(k=2), {"rollouts": greedy, "drafter": same}, ctx).dataset
+    ds = run_stage(
+        score.STAGE, score.Config(k=2), {"rollouts": greedy, "drafter": same}, ctx
+    ).dataset
     assert ds.meta["drafter"] == str(same.ref) and ds.meta["rollout_drafter"] == str(drafter_ds.ref)
 
     other = TargetLoader(TargetConfig(path="random", random={"seed": 1}, aux_layer_ids=[1, 2, 3]))
     ctx2 = RunContext(store=store, target_loader=other, progress=False)
     with pytest.raises(OpdError, match="different target"):
-        run_stage(score, score.Config(), {"rollouts": greedy, "drafter": drafter_ds}, ctx2)
+        run_stage(score.STAGE, score.Config(), {"rollouts": greedy, "drafter": drafter_ds}, ctx2)
 
 
 def test_empty_rejection_log_gives_empty_replays_with_a_message(env, caplog):
@@ -228,12 +236,15 @@ def test_empty_rejection_log_gives_empty_replays_with_a_message(env, caplog):
     prompts = store.open("prompts@latest")
     # One new token is the prefill's: no verify step ever drafts, so nothing is ever rejected.
     quiet = run_stage(
-        rollout, rollout_cfg(max_new_tokens=1), {"prompts": prompts, "drafter": drafter_ds}, ctx
+        rollout.STAGE,
+        rollout_cfg(max_new_tokens=1),
+        {"prompts": prompts, "drafter": drafter_ds},
+        ctx,
     ).dataset
     assert quiet.meta["drafted"] == 0
     with caplog.at_level(logging.WARNING, logger="opd"):
         ds = run_stage(
-            score, score.Config(), {"rollouts": quiet, "drafter": drafter_ds}, ctx
+            score.STAGE, score.Config(), {"rollouts": quiet, "drafter": drafter_ds}, ctx
         ).dataset
     assert ds.meta["anchors"] == 0 and ds.num_rows == 0
     assert "nothing to replay" in caplog.text and str(quiet.ref) in caplog.text

@@ -13,12 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from models.drafter import DraftVocab, load_drafter, shift_left, ttt_unroll
-from models.losses import teacher_draft_probs, ttt_loss
-from pipeline import features, generate, sft, training
+from models.losses import sft_loss, teacher_draft_probs, ttt_loss
+from pipeline import drafters, features, generate, sft, training
 from pipeline.config import version_dict
 from pipeline.profiles import load_config
 from pipeline.runner import RunContext, run_stage
 from pipeline.targets import TargetConfig, TargetLoader
+from pipeline.trainer import TrainingStopped
 from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
 
@@ -34,21 +35,21 @@ def tiny_features(tmp_path_factory):
     cfg = load_config("tiny")
     ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
     prompts = write_prompts(store)
-    traj = run_stage(generate, cfg.generate, {"prompts": prompts}, ctx).dataset
-    return store, ctx, run_stage(features, cfg.features, {"trajectories": traj}, ctx).dataset
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
+    return store, ctx, run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
 
 
 def test_sft_trains_and_writes_a_loadable_drafter(tiny_features):
     store, ctx, feats = tiny_features
     cfg = sft.Config(steps=12, **FAST)
-    ds = run_stage(sft, cfg, {"features": feats}, ctx).dataset
+    ds = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
     assert store.resolve("sft@latest") == ds.ref
-    assert set(ds.shards()) == set(sft.OUTPUT_FILES)
+    assert set(ds.shards()) == set(drafters.OUTPUT_FILES)
     # the vocab map is the features' own file, byte for byte
     assert ds.file(features.VOCAB_FILE).read_bytes() == feats.file(features.VOCAB_FILE).read_bytes()
     assert not (store.root / "_work" / "sft" / ds.ref.version).exists()  # checkpoints cleaned up
 
-    m = pl.read_parquet(ds.file(sft.METRICS_FILE))
+    m = pl.read_parquet(ds.file(drafters.METRICS_FILE))
     train = m.filter(pl.col("kind") == "train")
     val = m.filter(pl.col("kind") == "val")
     assert train["step"].to_list() == list(range(1, 13))
@@ -70,15 +71,22 @@ def test_sft_trains_and_writes_a_loadable_drafter(tiny_features):
     loader = training.FeatureLoader(
         index, val_rows, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, shuffle=False
     )
-    again = sft.validate(drafter, loader, target, cfg)
+    how = dict(
+        ttt_steps=cfg.ttt_steps,
+        tau_k=cfg.tau_k,
+        temperature=cfg.temperature,
+        step_decay=cfg.step_decay,
+        bf16=cfg.bf16,
+    )
+    again = sft.validate(drafter, loader, target, **how)
     final = val.row(-1, named=True)
     for key in ("loss", "acc", "alpha", "tau_sim", "tau_expected", "tau_chain"):
         assert again[key] == final[key], key
     fresh = sft.new_drafter(target, drafter.vocab, cfg.seed)
-    assert sft.validate(fresh, loader, target, cfg)["loss"] > again["loss"]
+    assert sft.validate(fresh, loader, target, **how)["loss"] > again["loss"]
 
     # a second run reuses the committed dataset
-    assert run_stage(sft, cfg, {"features": feats}, ctx).reused
+    assert run_stage(sft.STAGE, cfg, {"features": feats}, ctx).reused
 
 
 def test_resumed_run_matches_uninterrupted_bit_for_bit(tiny_features):
@@ -88,25 +96,25 @@ def test_resumed_run_matches_uninterrupted_bit_for_bit(tiny_features):
     work = store.root / "_work" / "sft"
 
     stop = cfg.model_copy(update={"stop_after_steps": 5, "checkpoint_every": 2})
-    with pytest.raises(sft.TrainingStopped, match="after step 5"):
-        run_stage(sft, stop, {"features": feats}, ctx)
+    with pytest.raises(TrainingStopped, match="after step 5"):
+        run_stage(sft.STAGE, stop, {"features": feats}, ctx)
     (version,) = [p.name for p in work.iterdir()]
     ckpts = training.Checkpointer(work / version)
     assert ckpts.latest() == 5
     assert not (store.root / "sft" / version / "manifest.json").exists()  # nothing committed
     # simulate a kill between checkpoints: the newest is lost, the run resumes from step 4
     shutil.rmtree(ckpts.path(5))
-    resumed = run_stage(sft, cfg, {"features": feats}, ctx).dataset
+    resumed = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
     assert resumed.ref.version == version  # the stop knob is not part of the version
     weights = load_file(resumed.file("model.safetensors"))
-    metrics = pl.read_parquet(resumed.file(sft.METRICS_FILE))
+    metrics = pl.read_parquet(resumed.file(drafters.METRICS_FILE))
 
-    fresh = run_stage(sft, cfg, {"features": feats}, ctx, force=True).dataset
+    fresh = run_stage(sft.STAGE, cfg, {"features": feats}, ctx, force=True).dataset
     fresh_weights = load_file(fresh.file("model.safetensors"))
     assert weights.keys() == fresh_weights.keys()
     for name, t in fresh_weights.items():
         assert torch.equal(weights[name], t), name
-    fresh_metrics = pl.read_parquet(fresh.file(sft.METRICS_FILE))
+    fresh_metrics = pl.read_parquet(fresh.file(drafters.METRICS_FILE))
     cols = ["kind", "step", "loss", "lr", "grad_norm", "acc", "tau_sim", "tau_chain"]
     assert metrics.select(cols).equals(fresh_metrics.select(cols))
     assert len(metrics.filter(pl.col("kind") == "train")) == 8
@@ -117,8 +125,8 @@ def test_more_features_are_trained_on_and_must_share_the_vocab_map(tiny_features
     cfg = load_config("tiny")
     # a second features dataset of the same target: other prompts' trajectories
     more_prompts = write_prompts(store, n_train=8, n_heldout=2, vocab=300)
-    traj = run_stage(generate, cfg.generate, {"prompts": more_prompts}, ctx).dataset
-    more = run_stage(features, cfg.features, {"trajectories": traj}, ctx).dataset
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": more_prompts}, ctx).dataset
+    more = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
     one = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
     both = training.FeatureIndex([feats, more], sft.FEATURE_COLUMNS)
     assert len(both) == len(one) + len(training.FeatureIndex(more, sft.FEATURE_COLUMNS))
@@ -130,7 +138,7 @@ def test_more_features_are_trained_on_and_must_share_the_vocab_map(tiny_features
     )
     scfg = sft.Config(steps=2, **FAST)
     with pytest.raises(OpdError, match="another draft-vocab map"):
-        run_stage(sft, scfg, {"features": feats, "more_features": more}, ctx)
+        run_stage(sft.STAGE, scfg, {"features": feats, "more_features": more}, ctx)
     # the features' own copy shares the map: rows of both are trained on
     copy = store.writer(
         "features", stage="copy", stage_version="1", config={}, inputs={"of": feats.ref}
@@ -140,7 +148,7 @@ def test_more_features_are_trained_on_and_must_share_the_vocab_map(tiny_features
         for name in feats.shards():
             copy.write_file(name, feats.file(name), fmt="ipc" if name in ipc else "file")
         twin = copy.commit(meta=feats.meta)
-    ds = run_stage(sft, scfg, {"features": feats, "more_features": twin}, ctx).dataset
+    ds = run_stage(sft.STAGE, scfg, {"features": feats, "more_features": twin}, ctx).dataset
     assert ds.meta["more_features"] == [str(twin.ref)]
     assert ds.meta["train_sequences"] + ds.meta["val_sequences"] == 2 * len(one)
 
@@ -152,7 +160,7 @@ def test_sft_refuses_features_of_another_target(tiny_features):
     complete = lambda: [r["version"] for r in store.listing() if r["complete"]]  # noqa: E731
     before = complete()
     with pytest.raises(OpdError, match="different target"):
-        run_stage(sft, sft.Config(steps=2, **FAST), {"features": feats}, ctx2)
+        run_stage(sft.STAGE, sft.Config(steps=2, **FAST), {"features": feats}, ctx2)
     assert complete() == before
 
 
@@ -181,11 +189,11 @@ def test_sft_loss_scores_step_k_against_the_teacher_at_t_plus_k_plus_1(tiny_feat
     # the reference aligns with full-size shifted copies, as models.drafter documents
     shifted = [shift_left(teacher, k + 1) for k in range(4)]
     torch.testing.assert_close(
-        sft.sft_loss(logits, valid, teacher, 0.8), ttt_loss(logits, shifted, valid, 0.8)
+        sft_loss(logits, valid, teacher, 0.8), ttt_loss(logits, shifted, valid, 0.8)
     )
     # and a misaligned teacher gives another value (the check can fail)
     assert not torch.isclose(
-        sft.sft_loss(logits, valid, teacher, 0.8), ttt_loss(logits, [teacher] * 4, valid, 0.8)
+        sft_loss(logits, valid, teacher, 0.8), ttt_loss(logits, [teacher] * 4, valid, 0.8)
     )
 
 
@@ -202,7 +210,7 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 store = Store(root)
 ctx = RunContext(store=store, target_loader=TargetLoader(load_config("tiny").target), progress=False)
 cfg = sft.Config(steps=4, batch_size=4, val_share=0.2, val_every=2, bf16=False, ttt_steps=3, tau_k=3)
-res = run_stage(sft, cfg, {"features": store.open(features_ref)}, ctx, rank=rank, world_size=2)
+res = run_stage(sft.STAGE, cfg, {"features": store.open(features_ref)}, ctx, rank=rank, world_size=2)
 print("COMMITTED" if res.dataset is not None else "WAITED", flush=True)
 dist.destroy_process_group()
 """
@@ -231,9 +239,9 @@ def test_sft_under_ddp_with_two_gloo_ranks_commits_once(tiny_features, tmp_path)
     # rank 0 writes everything and is the only one that commits
     assert [o[0].strip().splitlines()[-1] for o in outs] == ["COMMITTED", "WAITED"]
     ds = store.open("sft@latest")
-    assert set(ds.shards()) == set(sft.OUTPUT_FILES)
+    assert set(ds.shards()) == set(drafters.OUTPUT_FILES)
     ds.verify_all()
-    m = pl.read_parquet(ds.file(sft.METRICS_FILE)).filter(pl.col("kind") == "train")
+    m = pl.read_parquet(ds.file(drafters.METRICS_FILE)).filter(pl.col("kind") == "train")
     # 10 training rows over 2 ranks: each step's token count is summed over both ranks' batches
     assert m["step"].to_list() == [1, 2, 3, 4]
     index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)

@@ -129,12 +129,12 @@ def test_tabular_readers(tmp_path):
 @pytest.mark.parametrize(
     "ref, msg",
     [
-        ("nonsense", "unknown dataset name"),
+        ("nonsense", "no dataset named .nonsense."),
         ("prompts@@x", "bad dataset ref"),
         ("prompts@zzzz-1", "bad dataset ref"),
         ("prompts@abcdef123456", "no prompts dataset version"),
         ("prompts@run:nope", "no run named"),
-        ("sft@latest", "no sft dataset"),
+        ("sft@latest", "no dataset named 'sft'"),
     ],
 )
 def test_bad_refs(tmp_path, ref, msg):

@@ -134,7 +134,25 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
 
-@cli.command("run")
+class _RunCommand(click.Command):
+    """`opd run --help` lists the stages from their records (imported only for help)."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from pipeline.chains import CHAINS
+        from pipeline.stages import STAGES
+
+        rows = []
+        for s in STAGES:
+            reads = ", ".join(f"{r}<-{'|'.join(k)}" for r, k in s.inputs.items()) or "-"
+            rounds = f" (also {s.name}-rN)" if s.per_round else ""
+            rows.append((s.name + rounds, f"{s.doc}; reads {reads}; writes {s.output}"))
+        with formatter.section("Stages"):
+            formatter.write_dl(rows)
+        with formatter.section("Chains"):
+            formatter.write_text(", ".join(CHAINS))
+
+
+@cli.command("run", cls=_RunCommand)
 @click.argument("stage")
 @click.option(
     "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
@@ -192,14 +210,19 @@ def run_cmd(
 
     Work whose version already exists is skipped; the produced refs are printed.
     """
-    from pipeline.chains import CHAINS, DEFAULT_INPUT, record_results, run_chain, single_step
+    from pipeline.chains import CHAINS, record_results, run_chain, single_step
     from pipeline.profiles import load_config
     from pipeline.runner import RunContext
     from pipeline.targets import TargetLoader
 
     _setup_logging()
     cfg = load_config(profile, config_file, list(sets))
-    ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=not no_progress)
+    ctx = RunContext(
+        store=store,
+        target_loader=TargetLoader(cfg.target),
+        progress=not no_progress,
+        run_name=run_name,
+    )
     if stage in CHAINS:
         steps = CHAINS[stage](cfg)
         external = {}
@@ -208,13 +231,14 @@ def run_cmd(
         step = single_step(stage, cfg)
         roles = dict(r.split("=", 1) for r in input_refs if "=" in r)
         # Optional roles (e.g. opd's features) are read only when given with --input.
-        known = (*step.module.INPUTS, *getattr(step.module, "OPTIONAL_INPUTS", ()))
-        bad = [r for r in input_refs if "=" not in r] + [r for r in roles if r not in known]
+        known = [*step.stage.inputs, *step.stage.optional_inputs]
+        bad = [r for r in input_refs if "=" not in r]
+        bad += [r for r in roles if step.stage.input_kinds(r) is None]
         if bad:
-            raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {list(known)}")
-        wanted = [*step.module.INPUTS, *(r for r in roles if r not in step.module.INPUTS)]
+            raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {known}")
+        wanted = [*step.stage.inputs, *(r for r in roles if r not in step.stage.inputs)]
         external = {
-            role: store.open(roles.get(role, DEFAULT_INPUT.get(role, role))) for role in wanted
+            role: store.open(roles.get(role) or step.stage.default_ref(role)) for role in wanted
         }
         step.inputs = {role: role for role in wanted}
         steps = [step]
@@ -231,17 +255,23 @@ def run_cmd(
     if stage == "full":
         from pipeline.export import export_chain_result
 
-        info = export_chain_result(results, ctx.target_loader, store.root, cfg.evaluate.k)
+        info = export_chain_result(results, ctx.target_loader, store.root, cfg.drafting.k)
         if info is not None:
             click.echo(f"export       {info['path']} (+ speculators/ beside it)")
             click.echo(f"serve with:  {info['vllm_command']}")
 
 
-def _loader(profile: str, sets: tuple[str, ...]):
+def _loader(profile: str, sets: tuple[str, ...], k: int | None = None):
+    """The config with `drafting.k` overridden by a command's `--k`, and its target loader."""
     from pipeline.profiles import load_config
     from pipeline.targets import TargetLoader
 
     cfg = load_config(profile, None, list(sets))
+    if k is not None:
+        # Evaluating or serving a trained drafter deeper than its TTT depth is a fair question
+        # to ask of it; the ttt_steps >= k rule guards training configs, so raise it alongside.
+        ttt = max(k, cfg.drafting.ttt_steps)
+        cfg = load_config(profile, None, [*sets, f"drafting.k={k}", f"drafting.ttt_steps={ttt}"])
     return cfg, TargetLoader(cfg.target)
 
 
@@ -255,7 +285,7 @@ def _loader(profile: str, sets: tuple[str, ...]):
 )
 @click.option("--prompts", "prompts_ref", default="prompts@latest", show_default=True)
 @click.option(
-    "--k", type=int, default=None, help="Drafted tokens per verify step [profile: evaluate.k]."
+    "--k", type=int, default=None, help="Drafted tokens per verify step [profile: drafting.k]."
 )
 @click.option(
     "--temperature",
@@ -283,15 +313,13 @@ def eval_cmd(
     from pipeline import evaluate
     from pipeline.runner import RunContext, run_stage
 
-    extra = ([f"evaluate.k={k}"] if k is not None else []) + (
-        [f"evaluate.temperature={temperature}"] if temperature is not None else []
-    )
-    cfg, loader = _loader(profile, sets + tuple(extra))
+    extra = (f"evaluate.temperature={temperature}",) if temperature is not None else ()
+    cfg, loader = _loader(profile, sets + extra, k)
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json)
     if not as_json:
         _setup_logging()
     inputs = {"prompts": store.open(prompts_ref), "drafter": store.open(drafter_ref)}
-    res = run_stage(evaluate, cfg.evaluate, inputs, ctx, force=force)
+    res = run_stage(evaluate.STAGE, cfg.evaluate, inputs, ctx, force=force)
     stats = {k2: v for k2, v in res.dataset.meta.items()} | {"eval": str(res.ref)}
     if as_json:
         click.echo(json.dumps(stats, indent=2))
@@ -374,7 +402,7 @@ def analyze_cmd(
     inputs = analyze.resolve_sources(store, input_refs, run_name)
     cfg = analyze.Config(top_tokens=top, confidence_bins=bins, position_bucket=position_bucket)
     res = run_stage(
-        analyze,
+        analyze.STAGE,
         cfg,
         inputs,
         RunContext(store=store, target_loader=loader, progress=False),
@@ -409,19 +437,28 @@ def analyze_cmd(
 )
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory to write.")
 @click.option(
-    "--k", type=int, default=6, show_default=True, help="num_speculative_tokens to serve with."
+    "--k",
+    type=int,
+    default=None,
+    help="num_speculative_tokens to serve with [profile: drafting.k].",
 )
 @click.option("--profile", default="default", show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.pass_obj
 def export_cmd(
-    store: Store, drafter_ref: str, fmt: str, out: Path, k: int, profile: str, sets: tuple[str, ...]
+    store: Store,
+    drafter_ref: str,
+    fmt: str,
+    out: Path,
+    k: int | None,
+    profile: str,
+    sets: tuple[str, ...],
 ) -> None:
     """Write a drafter as a directory vLLM loads, and print the command that serves it."""
     from pipeline.export import export_drafter
 
-    _, loader = _loader(profile, sets)
-    info = export_drafter(store.open(drafter_ref), loader, fmt, out, k)  # type: ignore[arg-type]
+    cfg, loader = _loader(profile, sets, k)
+    info = export_drafter(store.open(drafter_ref), loader, fmt, out, cfg.drafting.k)  # type: ignore[arg-type]
     click.echo(
         f"exported {info['drafter']} as {fmt} to {info['path']} (round trip: identical logits)"
     )
@@ -518,7 +555,7 @@ def opd_vs_sft_cmd(
         store=store,
         target_loader=loader,
         progress=not as_json,
-        extra={"run_name": "experiment-opd-vs-sft"},
+        run_name="experiment-opd-vs-sft",
     )
     result = experiment.opd_vs_sft(
         cfg,

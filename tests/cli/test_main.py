@@ -3,7 +3,7 @@ import json
 import pyarrow as pa
 from click.testing import CliRunner
 
-from pipeline.cli import cli
+from cli.main import cli
 from storage import Store
 
 
@@ -35,10 +35,9 @@ def test_opd_home_env(tmp_path):
 def test_user_errors_are_one_line_and_nonzero(tmp_path):
     _ds(tmp_path)
     for args, msg in (
-        (["show", "sft"], "no sft dataset"),
+        (["show", "sft"], "no dataset named 'sft'"),
         (["show", "prompts@abc$"], "bad dataset ref"),
-        (["show", "bogus@latest"], "unknown dataset name"),
-        (["ls", "bogus"], "unknown dataset name"),
+        (["show", "bogus@latest"], "no dataset named 'bogus'"),
     ):
         r = CliRunner().invoke(cli, ["--root", str(tmp_path), *args])
         assert r.exit_code == 2, r.output

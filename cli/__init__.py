@@ -1,0 +1,1 @@
+"""`opd`, the command line: the top layer (it may import flows/, pipeline/, models/, storage/)."""

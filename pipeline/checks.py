@@ -1,0 +1,70 @@
+"""Checks that data belongs together: made with this target, and with one draft-vocab map.
+
+Hidden states of one target mean nothing to another, and the draft-vocab map (`d2t`, `t2d`)
+is frozen from the features stage on, so a stage refuses inputs that break either rule before
+it does any work.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from models.drafter import Eagle3Drafter
+from storage import Dataset, OpdError
+
+VOCAB_FILE = "draft_vocab.safetensors"
+"""The frozen draft-vocab map, carried unchanged by every dataset from `features` on."""
+
+
+def check_same_target(ds: Dataset, identity: dict) -> None:
+    """Refuse a dataset computed by another target (hidden states would be meaningless)."""
+    theirs = ds.config.get("target") or ds.meta.get("target")
+    if theirs is None:
+        return
+    keys = ("weights_sha256", "hidden_size", "vocab_size", "num_layers", "aux_layer_ids")
+    diff = {k: (theirs.get(k), identity.get(k)) for k in keys if theirs.get(k) != identity.get(k)}
+    if diff:
+        raise OpdError(
+            f"{ds.ref} was made with a different target ({', '.join(f'{k}: {a} vs {b}' for k, (a, b) in diff.items())}); "
+            "re-run its stage with this target, or configure the target it was made with"
+        )
+
+
+def vocab_of(ds: Dataset) -> dict[str, Tensor]:
+    """The `d2t` / `t2d` tensors of a dataset's draft-vocab map file."""
+    try:
+        return load_file(ds.file(VOCAB_FILE))
+    except OpdError:
+        raise OpdError(
+            f"{ds.ref} has no {VOCAB_FILE}; it must carry the draft vocab map it was made with"
+        ) from None
+
+
+def check_same_vocab(reference: Dataset, others: list[Dataset]) -> None:
+    """Refuse data made with another draft-vocab map than `reference` (the map is never rebuilt)."""
+    mine = vocab_of(reference)
+    for ds in others:
+        theirs = vocab_of(ds)
+        if not all(torch.equal(mine[k], theirs[k]) for k in ("d2t", "t2d")):
+            raise OpdError(
+                f"{ds.ref} uses another draft-vocab map than {reference.ref}; the map is frozen "
+                "from the features stage on: make it with the same features lineage"
+            )
+
+
+def check_drafter_vocab(data: Dataset, drafter: Eagle3Drafter, drafter_ref: str) -> None:
+    """Refuse a drafter whose map differs from the one `data` was made (or drafted) with."""
+    theirs = vocab_of(data)
+    if not (
+        torch.equal(theirs["d2t"], drafter.d2t.cpu())
+        and torch.equal(theirs["t2d"], drafter.t2d.cpu())
+    ):
+        made_by = data.meta.get("drafter")
+        raise OpdError(
+            f"{drafter_ref} has another draft-vocab map (d2t/t2d) than {data.ref}"
+            + (f" (drafted by {made_by})" if made_by else "")
+            + "; the map is frozen from the features stage on: use data made with this "
+            "drafter's lineage (e.g. its rollouts), or the drafter that made the data"
+        )
