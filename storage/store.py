@@ -48,6 +48,9 @@ from storage.provenance import now_iso, provenance
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+# The manifest's own checksum, over the rest of it: an edited or flipped value that still
+# parses (a config number, a shard's row count) must not be read as the truth.
+_MANIFEST_SUM = "manifest_sha256"
 DATASET_NAMES = (
     "prompts",
     "trajectories",
@@ -154,6 +157,11 @@ def disk_error(
     return OpdError(f"could not write {what}: {e}")
 
 
+def _manifest_sum(manifest: dict[str, Any]) -> str:
+    rest = {k: v for k, v in manifest.items() if k != _MANIFEST_SUM}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
 def _complete(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
@@ -221,6 +229,18 @@ class Dataset:
                 f"{ref}: manifest.json does not parse ({e}); the dataset is corrupted: "
                 f"delete {self.path} and re-run its stage"
             ) from None
+        if not isinstance(self.manifest, dict):
+            raise CorruptDataset(
+                f"{ref}: manifest.json is not a JSON object; the dataset is corrupted: "
+                f"delete {self.path} and re-run its stage"
+            )
+        # Manifests written before they carried a checksum are read as they are.
+        expected = self.manifest.get(_MANIFEST_SUM)
+        if expected is not None and expected != _manifest_sum(self.manifest):
+            raise CorruptDataset(
+                f"{ref}: manifest.json fails its sha256 check (edited or corrupted): "
+                f"delete {self.path} and re-run its stage"
+            )
         self._shards = {s["path"]: s for s in self.manifest.get("shards", [])}
         self._verified: set[str] = set()
 
@@ -544,6 +564,7 @@ class DatasetWriter:
             "meta": meta or {},
             "provenance": provenance(self._started),
         }
+        manifest[_MANIFEST_SUM] = _manifest_sum(manifest)
         try:
             atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
         except OSError as e:

@@ -232,3 +232,16 @@ def test_gc_removes_work_dirs_of_committed_versions_and_stale_temporaries(tmp_pa
     assert all(p.exists() for p in live) and (running / "step-00000004").is_dir()
     assert values(store) == [1, 2]
     assert store.gc() == []
+
+
+def test_an_edited_manifest_that_still_parses_is_refused(tmp_path):
+    store = Store(tmp_path)
+    ds = make(store, [1])
+    path = ds.path / "manifest.json"
+    text = path.read_text()
+    assert '"rows": 2' in text
+    path.write_text(text.replace('"rows": 2', '"rows": 3'))
+    with pytest.raises(CorruptDataset, match=rf"{ds.ref}: manifest.json fails its sha256 check"):
+        store.open(ds.ref)
+    path.write_text(text)
+    assert store.open(ds.ref).num_rows == 2
