@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from storage import OpdError, Store, default_root
+from storage import OpdError, Store, check_run_name, default_root
 
 
 def _human_bytes(n: int | None) -> str:
@@ -95,7 +95,7 @@ def show_cmd(store: Store, ref: str, as_json: bool, verify: bool) -> None:
     """Show a dataset's manifest and its lineage back to the prompts."""
     ds = store.open(ref)
     if verify:
-        ds.verify_all()
+        ds.verify_all(rehash=True)
     if as_json:
         click.echo(json.dumps(ds.manifest | {"lineage": store.lineage(ds.ref)}, indent=2))
         return
@@ -215,6 +215,7 @@ def run_cmd(
     from pipeline.runner import RunContext
     from pipeline.targets import TargetLoader
 
+    check_run_name(run_name)  # before any work: a bad name must not fail a finished run
     _setup_logging()
     cfg = load_config(profile, config_file, list(sets))
     ctx = RunContext(
@@ -398,6 +399,8 @@ def analyze_cmd(
     from pipeline import analyze
     from pipeline.runner import RunContext, run_stage
 
+    if run_name is not None:
+        check_run_name(run_name)
     _, loader = _loader(profile, sets)
     inputs = analyze.resolve_sources(store, input_refs, run_name)
     cfg = analyze.Config(top_tokens=top, confidence_bins=bins, position_bucket=position_bucket)

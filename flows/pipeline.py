@@ -16,7 +16,7 @@ from pipeline.export import export_chain_result
 from pipeline.profiles import load_config
 from pipeline.runner import RunContext, StageResult, planned_ref, run_stage
 from pipeline.targets import TargetLoader
-from storage import Dataset, OpdError, Store
+from storage import Dataset, OpdError, Store, check_run_name
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=2)
@@ -72,6 +72,7 @@ def opd_pipeline(
     """
     if chain not in CHAINS:
         raise OpdError(f"unknown chain {chain!r}; chains: {', '.join(CHAINS)}")
+    check_run_name(run_name)
     sets = list(overrides or []) + ([f"rounds={rounds}"] if rounds is not None else [])
     cfg = load_config(profile, None, sets)
     store = Store(root) if root else Store()

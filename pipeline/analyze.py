@@ -22,7 +22,6 @@ accepted (outcome != "not_reached"); α at offset i (n-α) = accepted / reached 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import re
@@ -807,10 +806,7 @@ def _markdown(
 
 def run_rollouts(store: Store, run: str) -> list[str]:
     """Every rollouts dataset a named run produced (one per round), in round order."""
-    path = store.root / "_runs" / f"{run}.json"
-    if not path.exists():
-        raise OpdError(f"no run named {run!r} under {store.root}; see {store.root / '_runs'}")
-    produced = json.loads(path.read_text())["datasets"]
+    produced = store.run_datasets(run)
     refs = sorted({r for r in produced.values() if r.startswith("rollouts@")})
     if not refs:
         raise OpdError(

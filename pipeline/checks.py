@@ -34,12 +34,11 @@ def check_same_target(ds: Dataset, identity: dict) -> None:
 
 def vocab_of(ds: Dataset) -> dict[str, Tensor]:
     """The `d2t` / `t2d` tensors of a dataset's draft-vocab map file."""
-    try:
-        return load_file(ds.file(VOCAB_FILE))
-    except OpdError:
+    if VOCAB_FILE not in ds.shards():
         raise OpdError(
             f"{ds.ref} has no {VOCAB_FILE}; it must carry the draft vocab map it was made with"
-        ) from None
+        )
+    return load_file(ds.file(VOCAB_FILE))  # ds.file checks its sha256 first
 
 
 def check_same_vocab(reference: Dataset, others: list[Dataset]) -> None:

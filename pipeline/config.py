@@ -16,9 +16,10 @@ _RUNTIME = "opd_runtime_only"
 
 
 class StrictConfig(BaseModel):
-    """Base for every config: unknown keys are errors, values are validated on assignment."""
+    """Base for every config: unknown keys are errors, values are validated on assignment, and
+    floats are finite (inf/NaN cannot be hashed into a version and break every stage)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def runtime_field(default: Any, description: str) -> Any:

@@ -128,9 +128,15 @@ def load_config(
     data = json.loads(path.read_text())
     if config_file is not None:
         try:
-            data = _merge(data, json.loads(Path(config_file).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
+            over = json.loads(Path(config_file).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise OpdError(f"cannot read config file {config_file}: {e}") from None
+        if not isinstance(over, dict):
+            raise OpdError(
+                f"config file {config_file} holds a JSON {type(over).__name__}; it must be an "
+                'object of sections, e.g. {"sft": {"lr": 0.001}}'
+            )
+        data = _merge(data, over)
     for item in sets:
         data = _merge(data, parse_set(item))
     try:

@@ -271,6 +271,11 @@ def _read_user_rows(path: Path, skipped: Counter) -> list[tuple[str, dict]]:
             if not isinstance(record, dict):
                 skipped["bad_json"] += 1
                 continue
+            try:  # a "\ud800" escape parses to a lone surrogate, which no tokenizer can encode
+                json.dumps(record, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                skipped["not_utf8"] += 1
+                continue
             out.append((f"{path.name}:{n}", record))
         return out
     if path.suffix == ".parquet":

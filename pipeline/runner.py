@@ -11,7 +11,6 @@ Python: flows/ calls it as tasks.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -112,42 +111,27 @@ def run_stage(
         inputs={role: ds.ref for role, ds in inputs.items()},
         rank=rank,
         world_size=world_size,
+        # A forced recompute is staged beside the committed version and swapped in at commit.
+        replace=force,
     )
     t0 = time.perf_counter()
-    aside = None
-    if writer.exists():
-        if not force:
-            ctx.store.set_latest(writer.ref)
-            log.info(
-                "[%s] %s exists; nothing to do (use --force to recompute)", stage.name, writer.ref
-            )
-            return StageResult(ctx.store.open(writer.ref), True, 0.0)
-        # Recompute into a fresh directory; the old one comes back if the new run fails.
-        aside = writer.dir.with_name(f".{writer.version}.replaced-{int(time.time())}")
-        writer.dir.rename(aside)
-    try:
-        with writer:
-            if writer.exists():  # another process committed it while we waited for the lock
-                return StageResult(ctx.store.open(writer.ref), True, time.perf_counter() - t0)
-            done = len(writer.completed_shards())
-            if done:
-                log.info(
-                    "[%s] resuming %s from %d completed shard(s)", stage.name, writer.ref, done
-                )
-            meta = stage.run(cfg, inputs, writer, rank, world_size, ctx) or {}
-            if world_size > 1:
-                writer.rank_done()
-                if writer.ranks_done() != list(range(world_size)):
-                    return StageResult(None, False, time.perf_counter() - t0)  # type: ignore[arg-type]
-            _check_not_empty(stage, writer, inputs)
-            ds = writer.commit(meta=meta)
-    except BaseException:
-        if aside is not None and not writer.exists():
-            shutil.rmtree(writer.dir, ignore_errors=True)
-            aside.rename(writer.dir)
-        raise
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    if writer.exists() and not force:
+        ctx.store.set_latest(writer.ref)
+        log.info("[%s] %s exists; nothing to do (use --force to recompute)", stage.name, writer.ref)
+        return StageResult(ctx.store.open(writer.ref), True, 0.0)
+    with writer:
+        if writer.exists():  # another process committed it while we waited for the lock
+            return StageResult(ctx.store.open(writer.ref), True, time.perf_counter() - t0)
+        done = len(writer.completed_shards())
+        if done:
+            log.info("[%s] resuming %s from %d completed shard(s)", stage.name, writer.ref, done)
+        meta = stage.run(cfg, inputs, writer, rank, world_size, ctx) or {}
+        if world_size > 1:
+            writer.rank_done()
+            if writer.ranks_done() != list(range(world_size)):
+                return StageResult(None, False, time.perf_counter() - t0)  # type: ignore[arg-type]
+        _check_not_empty(stage, writer, inputs)
+        ds = writer.commit(meta=meta)
     seconds = time.perf_counter() - t0
     log.info("[%s] wrote %s (%d rows, %.1fs)", stage.name, ds.ref, ds.num_rows, seconds)
     return StageResult(ds, False, seconds)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import queue
@@ -33,12 +34,13 @@ import numpy as np
 import pyarrow as pa
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 from torch import Tensor, nn
 
 from models.drafter import DraftVocab
 from models.losses import acceptance_rate, teacher_draft_probs
-from storage import Dataset, OpdError, read_tensor_column
+from storage import Dataset, OpdError, disk_error, read_tensor_column
 
 # -- distributed ---------------------------------------------------------------------------
 
@@ -489,7 +491,9 @@ class WarmupCosine:
 
 _CKPT_TENSORS = "tensors.safetensors"
 _CKPT_STATE = "state.json"
+_CKPT_SUMS = "checksums.json"
 _CKPT_FORMAT = 1
+_log = logging.getLogger("opd")
 
 
 @dataclass
@@ -546,10 +550,14 @@ def _optimizer_state(tensors: Mapping[str, Tensor], parts: Mapping[str, Any]) ->
 
 
 class Checkpointer:
-    """Numbered checkpoints under `directory`: `step-00000120/{tensors.safetensors, state.json}`.
+    """Numbered checkpoints under `directory`: `step-00000120/` holding `tensors.safetensors`,
+    `state.json` and `checksums.json` (the sha256 of the other two).
 
-    Each is written into a hidden temporary directory and renamed into place, so a kill at any
-    moment leaves the previous checkpoints intact. The newest `keep` are kept.
+    Each is written into a hidden temporary directory, fsynced and renamed into place, so a kill
+    at any moment leaves the previous checkpoints intact. The newest `keep` are kept. A
+    checkpoint that fails its checksums is never resumed from: `latest()` sets it aside with a
+    warning and offers the one before, so a flipped byte cannot be trained on and then rotate
+    the good checkpoints out.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2):
@@ -571,8 +579,37 @@ class Checkpointer:
         return self.directory / f"step-{step:08d}"
 
     def latest(self) -> int | None:
-        steps = self._steps()
-        return steps[-1] if steps else None
+        """The newest checkpoint whose files match their checksums, or None (a fresh start).
+
+        One that fails is renamed to `.step-N.corrupt-PID` (kept for inspection; it goes with
+        the work directory when the stage commits) and a warning names it."""
+        for step in reversed(self._steps()):
+            path = self.path(step)
+            _, problem = self._read(path)
+            if problem is None:
+                return step
+            aside = self.directory / f".{path.name}.corrupt-{os.getpid()}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(path, aside)
+            _log.warning(
+                "checkpoint %s %s: set aside as %s; using the checkpoint before it, if any",
+                path,
+                problem,
+                aside.name,
+            )
+        return None
+
+    def _read(self, path: Path) -> tuple[dict[str, bytes], str | None]:
+        """The checkpoint's files and what is wrong with them (None: all match their checksums)."""
+        try:
+            sums = json.loads((path / _CKPT_SUMS).read_bytes())
+            files = {name: (path / name).read_bytes() for name in (_CKPT_TENSORS, _CKPT_STATE)}
+        except (OSError, ValueError) as e:
+            return {}, f"is unreadable ({e})"
+        for name, data in files.items():
+            if not isinstance(sums, dict) or sums.get(name) != hashlib.sha256(data).hexdigest():
+                return files, f"is corrupted: {name} fails its sha256 check"
+        return files, None
 
     def save(
         self,
@@ -596,14 +633,31 @@ class Checkpointer:
             "rng": rng_parts,
             "state": dict(state),
         }
+        # Serialised in memory and written here: safetensors' own file writer reports no error
+        # on a full disk, and the checksums must be of the bytes meant, not of what landed.
+        files = {_CKPT_TENSORS: safetensors_save(tensors), _CKPT_STATE: json.dumps(doc).encode()}
+        files[_CKPT_SUMS] = json.dumps(
+            {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+        ).encode()
         final = self.path(step)
         tmp = self.directory / f".step-{step:08d}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / _CKPT_TENSORS))
-        (tmp / _CKPT_STATE).write_text(json.dumps(doc))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for name, data in files.items():
+                with open(tmp / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise disk_error(
+                e,
+                f"checkpoint {final}",
+                kept="earlier checkpoints are kept and a re-run resumes from the newest",
+            ) from e
         for old in self._steps()[: -self.keep]:
             shutil.rmtree(self.path(old), ignore_errors=True)
         return final
@@ -618,13 +672,11 @@ class Checkpointer:
     ) -> Checkpoint:
         """Restore optimizer, scheduler and RNG from checkpoint `step`; return its model and state."""
         path = self.path(step)
-        try:
-            doc = json.loads((path / _CKPT_STATE).read_text())
-            tensors = load_file(str(path / _CKPT_TENSORS))
-        except (OSError, json.JSONDecodeError) as e:
-            raise OpdError(
-                f"checkpoint {path} is unreadable ({e}); delete it to resume from an earlier one"
-            ) from None
+        files, problem = self._read(path)
+        if problem is not None:
+            raise OpdError(f"checkpoint {path} {problem}; delete it to resume from an earlier one")
+        doc = json.loads(files[_CKPT_STATE])
+        tensors = safetensors_load(files[_CKPT_TENSORS])
         if doc.get("format") != _CKPT_FORMAT:
             raise OpdError(
                 f"checkpoint {path} has format {doc.get('format')}, expected {_CKPT_FORMAT}"

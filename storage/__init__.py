@@ -2,7 +2,15 @@
 
 from storage.errors import CorruptDataset, DatasetNotFound, OpdError
 from storage.fingerprint import canonical_json, dataset_version
-from storage.store import Dataset, DatasetRef, DatasetWriter, Store, default_root
+from storage.store import (
+    Dataset,
+    DatasetRef,
+    DatasetWriter,
+    Store,
+    check_run_name,
+    default_root,
+    disk_error,
+)
 from storage.tensors import read_tensor_column, tensor_array, tensor_field
 
 __all__ = [
@@ -14,8 +22,10 @@ __all__ = [
     "OpdError",
     "Store",
     "canonical_json",
+    "check_run_name",
     "dataset_version",
     "default_root",
+    "disk_error",
     "read_tensor_column",
     "tensor_array",
     "tensor_field",

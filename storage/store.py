@@ -9,19 +9,24 @@ Layout under the data root (``--root`` / ``OPD_HOME``, default ``./opd-data``)::
     <root>/<name>/LATEST                the version the newest commit (or reuse) produced
     <root>/_runs/<run>.json             a run: which version each stage produced
     <root>/_cache/verified/...          which shards were checksummed already (size + mtime)
+    <root>/<name>/.<version>.staging/   a forced recompute of a committed version, until it commits
 
 Writers take an exclusive lock per (name, version), so two processes writing the same version
 end with one complete dataset: the second one waits, then finds it committed. A shard is
 written under a temporary name, fsynced, its checksum recorded, and renamed into place; a
 crash at any point leaves only invisible temporaries or complete shards, and a re-run skips
-the complete ones.
+the complete ones. A writer in replace mode (`--force` on a committed version) writes into the
+staging directory and swaps it with the committed one at commit, so until then the old dataset
+stays readable and LATEST stays valid, whenever the writer is killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -43,9 +48,21 @@ from storage.provenance import now_iso, provenance
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
-_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]*$")
-_VERSION_RE = re.compile(rf"^[0-9a-f]{{{VERSION_LEN}}}$")
-_SHARD_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+# The manifest's own checksum, over the rest of it: an edited or flipped value that still
+# parses (a config number, a shard's row count) must not be read as the truth.
+_MANIFEST_SUM = "manifest_sha256"
+_NAME_RE = re.compile(r"[a-z][a-z0-9_-]*")
+_VERSION_RE = re.compile(rf"[0-9a-f]{{{VERSION_LEN}}}")
+_SHARD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]*")
+_MIN_PREFIX = 4
+_REF_FORMS = (
+    f"expected NAME@VERSION (the {VERSION_LEN} lowercase hex digits of `opd ls NAME`, or a "
+    f"unique prefix of at least {_MIN_PREFIX}), NAME@latest or NAME@run:RUN"
+)
+# A temporary's name ends in the writing process's id: `.X.tmp-PID` or `.X.tmp-rRANK-PID`.
+_TMP_PID_RE = re.compile(r"(?:\.tmp-(?:r\d+-)?|^\.write-probe-)(\d+)$")
+# What a replacement leaves beside a version: `.<version>.staging`, `.<version>.replaced-N`.
+_BESIDE_RE = re.compile(rf"\.([0-9a-f]{{{VERSION_LEN}}})\.(?:staging|replaced-\d+)")
 _CHUNK = 8 << 20
 
 
@@ -66,9 +83,19 @@ class DatasetRef:
     @staticmethod
     def parse_exact(text: str) -> DatasetRef:
         name, sep, version = text.partition("@")
-        if not sep or not _NAME_RE.match(name) or not _VERSION_RE.match(version):
+        if not sep or not _NAME_RE.fullmatch(name) or not _VERSION_RE.fullmatch(version):
             raise OpdError(f"{text!r} is not an exact dataset ref; expected NAME@<12 hex digits>")
         return DatasetRef(name, version)
+
+
+def check_run_name(run: str) -> str:
+    """A run name is a file name under `_runs/`: never a path, so it cannot leave the root."""
+    if not _NAME_RE.fullmatch(run):
+        raise OpdError(
+            f"invalid run name {run!r}: use lowercase letters, digits, - and _, "
+            "starting with a letter (e.g. --run-name exp-1)"
+        )
+    return run
 
 
 def _sha256_file(path: Path) -> str:
@@ -90,21 +117,73 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write a small file so readers see either the old or the new content, never a torn one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
-def _disk_error(e: OSError, what: str) -> OpdError:
+def disk_error(
+    e: OSError, what: str, kept: str = "completed shards are kept and a re-run resumes from them"
+) -> OpdError:
+    """The one-line error for a failed write; `kept` says what survives and how to go on."""
     if e.errno == errno.ENOSPC:
         return OpdError(
-            f"disk full while writing {what}; completed shards are kept and a re-run resumes "
-            "from them: free space or point --root/OPD_HOME at a larger disk"
+            f"disk full while writing {what}; {kept}: free space or point --root/OPD_HOME at "
+            "a larger disk"
         )
     return OpdError(f"could not write {what}: {e}")
+
+
+def _manifest_sum(manifest: dict[str, Any]) -> str:
+    rest = {k: v for k, v in manifest.items() if k != _MANIFEST_SUM}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def _complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def _stale_tmp(path: Path) -> bool:
+    """A temporary whose writing process is gone (a live one may still rename it)."""
+    m = _TMP_PID_RE.search(path.name)
+    if m is None:
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one atomic step (Linux renameat2); False where unsupported."""
+    fn = getattr(_libc(), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
 
 
 class Dataset:
@@ -121,6 +200,11 @@ class Dataset:
                     f"{ref} is incomplete (no manifest.json): re-run its stage to resume it, "
                     "or `opd gc` to remove it"
                 )
+            if store._recovery_source(ref.name, ref.version) is not None:
+                raise DatasetNotFound(
+                    f"{ref} was set aside by a replacement that was killed: `opd gc` (or a "
+                    "re-run of its stage) puts it back"
+                )
             raise DatasetNotFound(f"dataset {ref} does not exist under {store.root}; see `opd ls`")
         try:
             self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
@@ -129,6 +213,18 @@ class Dataset:
                 f"{ref}: manifest.json does not parse ({e}); the dataset is corrupted: "
                 f"delete {self.path} and re-run its stage"
             ) from None
+        if not isinstance(self.manifest, dict):
+            raise CorruptDataset(
+                f"{ref}: manifest.json is not a JSON object; the dataset is corrupted: "
+                f"delete {self.path} and re-run its stage"
+            )
+        # Manifests written before they carried a checksum are read as they are.
+        expected = self.manifest.get(_MANIFEST_SUM)
+        if expected is not None and expected != _manifest_sum(self.manifest):
+            raise CorruptDataset(
+                f"{ref}: manifest.json fails its sha256 check (edited or corrupted): "
+                f"delete {self.path} and re-run its stage"
+            )
         self._shards = {s["path"]: s for s in self.manifest.get("shards", [])}
         self._verified: set[str] = set()
 
@@ -167,11 +263,17 @@ class Dataset:
             self._verified.add(shard)
         return path
 
-    def verify_all(self) -> None:
+    def verify_all(self, *, rehash: bool = False) -> None:
+        """Check every listed shard; `rehash` hashes every byte even where the verify cache
+        says a file of this size and mtime was checked (a flipped byte keeps both)."""
         for shard in self._shards:
-            self.file(shard)
+            if rehash:
+                self._verify(shard, self.path / shard, rehash=True)
+                self._verified.add(shard)
+            else:
+                self.file(shard)
 
-    def _verify(self, shard: str, path: Path) -> None:
+    def _verify(self, shard: str, path: Path, rehash: bool = False) -> None:
         entry = self._shards[shard]
         try:
             st = path.stat()
@@ -188,9 +290,11 @@ class Dataset:
         # Hash once per (size, mtime): later opens only stat the file.
         stamp = self.store.verify_cache(self.ref) / (shard.replace("/", "%") + ".ok")
         key = f"{entry['sha256']} {st.st_size} {st.st_mtime_ns}"
-        if stamp.exists() and stamp.read_text() == key:
+        if not rehash and stamp.exists() and stamp.read_text() == key:
             return
         if _sha256_file(path) != entry["sha256"]:
+            with contextlib.suppress(OSError):  # a stale stamp would vouch for it next time
+                stamp.unlink(missing_ok=True)
             raise CorruptDataset(
                 f"{self.ref}: shard {shard!r} fails its sha256 check; the shard is corrupted: "
                 f"delete {self.path} and re-run its stage"
@@ -237,6 +341,10 @@ class DatasetWriter:
 
     Call `write_*` per shard (skipping those `has_shard` reports complete, to resume), then
     `commit()`. Leaving the block without commit keeps the completed shards for a re-run.
+
+    With `replace=True` a committed version is recomputed: shards go to a staging directory
+    (`dir` points there inside the block) and `commit()` swaps it with the committed one, so
+    the old dataset is readable until the new one is complete.
     """
 
     def __init__(
@@ -250,6 +358,7 @@ class DatasetWriter:
         inputs: dict[str, DatasetRef | str],
         rank: int = 0,
         world_size: int = 1,
+        replace: bool = False,
     ):
         store.check_name(name)
         if not 0 <= rank < world_size:
@@ -265,11 +374,14 @@ class DatasetWriter:
             DatasetRef.parse_exact(ref)  # inputs must be exact versions, never "latest"
         self.version = dataset_version(stage, stage_version, config, self.inputs)
         self.ref = DatasetRef(name, self.version)
-        self.dir = store.dataset_dir(name, self.version)
+        self.final_dir = store.dataset_dir(name, self.version)
+        self.dir = self.final_dir
+        self.replace = replace
         self._lock_fd: int | None = None
         self._started = now_iso()
 
     def exists(self) -> bool:
+        """Whether the directory this writer writes (the staging one when replacing) is committed."""
         return (self.dir / MANIFEST).exists()
 
     def __enter__(self) -> DatasetWriter:
@@ -285,6 +397,15 @@ class DatasetWriter:
             print(f"[opd] {self.ref} is being written by another process; waiting for it")
             fcntl.flock(fd, fcntl.LOCK_EX)
         self._lock_fd = fd
+        if self.rank == 0:
+            self.store._restore(self.name, self.version)
+            staging = self.store.staging_dir(self.name, self.version)
+            for leftover in self.store._replacement_leftovers(self.name, self.version):
+                # staged shards of an earlier forced run are resumed, not removed
+                if leftover != staging or _complete(staging):
+                    shutil.rmtree(leftover)
+        if self.replace and _complete(self.final_dir):
+            self.dir = self.store.staging_dir(self.name, self.version)
         self.dir.mkdir(exist_ok=True)
         # Temporaries of a crashed writer are garbage; complete shards are kept. With several
         # ranks only this rank's temporaries are ours to remove.
@@ -317,6 +438,7 @@ class DatasetWriter:
             time.sleep(0.1)
 
     def __exit__(self, *exc: object) -> None:
+        self.dir = self.final_dir
         if self._lock_fd is not None:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
@@ -337,7 +459,7 @@ class DatasetWriter:
     def _put(self, shard: str, fmt: str, rows: int | None, write) -> None:
         """Write via a temp file, fsync, record rows/bytes/sha256, then rename into place."""
         self._require_lock()
-        if not _SHARD_RE.match(shard) or ".." in shard.split("/") or shard == MANIFEST:
+        if not _SHARD_RE.fullmatch(shard) or ".." in shard.split("/") or shard == MANIFEST:
             raise OpdError(f"invalid shard name {shard!r}")
         final = self.dir / shard
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -363,7 +485,7 @@ class DatasetWriter:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             meta_tmp.unlink(missing_ok=True)
-            raise _disk_error(e, f"{self.ref} shard {shard!r}") from e
+            raise disk_error(e, f"{self.ref} shard {shard!r}") from e
 
     def write_parquet(self, shard: str, table: pa.Table) -> None:
         # No compression dictionary surprises: zstd is deterministic for identical input.
@@ -426,14 +548,31 @@ class DatasetWriter:
             "meta": meta or {},
             "provenance": provenance(self._started),
         }
+        manifest[_MANIFEST_SUM] = _manifest_sum(manifest)
         try:
             atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
         except OSError as e:
-            raise _disk_error(e, f"{self.ref} manifest") from e
+            raise disk_error(e, f"{self.ref} manifest") from e
         for m in [*self.dir.glob("**/.*.meta.json"), *self.dir.glob(".rank-*.done")]:
             m.unlink()
+        if self.dir != self.final_dir:
+            self._swap_in()
         self.store.set_latest(self.ref)
         return Dataset(self.store, self.ref)
+
+    def _swap_in(self) -> None:
+        """Make the committed staging directory the version's directory, then drop the old one."""
+        staging, final = self.dir, self.final_dir
+        if _exchange(staging, final):
+            old = staging
+        else:  # two renames; `Store.recover` finishes them if a kill lands in between
+            old = final.with_name(f".{self.version}.replaced-{os.getpid()}")
+            os.rename(final, old)
+            os.rename(staging, final)
+        _fsync_dir(final.parent)
+        self.dir = final
+        shutil.rmtree(old)
+        shutil.rmtree(self.store.verify_cache(self.ref), ignore_errors=True)
 
     def _schemas(self, shards: list[dict[str, Any]]) -> dict[str, Any]:
         """The Arrow schema of the first shard of each tabular format, as field -> type."""
@@ -463,7 +602,7 @@ class Store:
     def check_name(self, name: str) -> None:
         """Dataset names are whatever the stages call their outputs (`pipeline.stages`); the
         store only requires them to be plain directory names."""
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             raise OpdError(
                 f"{name!r} is not a dataset name: lowercase letters, digits, '-' and '_', "
                 "starting with a letter"
@@ -477,6 +616,43 @@ class Store:
 
     def verify_cache(self, ref: DatasetRef) -> Path:
         return self.root / "_cache" / "verified" / ref.name / ref.version
+
+    def staging_dir(self, name: str, version: str) -> Path:
+        return self.root / name / f".{version}.staging"
+
+    def _replaced_dirs(self, name: str, version: str) -> list[Path]:
+        """Committed versions set aside during a replacement, newest first."""
+        found = [p for p in (self.root / name).glob(f".{version}.replaced-*") if p.is_dir()]
+        return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
+    def _recovery_source(self, name: str, version: str) -> Path | None:
+        """The complete copy to put back when a killed replacement left the version without one."""
+        if _complete(self.dataset_dir(name, version)):
+            return None
+        for candidate in [self.staging_dir(name, version), *self._replaced_dirs(name, version)]:
+            if _complete(candidate):
+                return candidate
+        return None
+
+    def _restore(self, name: str, version: str) -> None:
+        """Put back the complete copy a killed replacement left beside an incomplete version.
+        Call it holding the version's lock (writers do) or when no writer holds it (gc does)."""
+        final = self.dataset_dir(name, version)
+        source = self._recovery_source(name, version)
+        if source is not None:
+            if final.exists():
+                shutil.rmtree(final)  # an unfinished recompute, superseded by a complete copy
+            os.rename(source, final)
+            _fsync_dir(final.parent)
+            print(f"[opd] restored {name}@{version} from {source.name}")
+
+    def _replacement_leftovers(self, name: str, version: str) -> list[Path]:
+        """Copies beside a complete version that nothing will read: an old dataset set aside,
+        or staged shards of a recompute that no writer holds."""
+        if not _complete(self.dataset_dir(name, version)):
+            return []
+        staging = self.staging_dir(name, version)
+        return [*([staging] if staging.exists() else []), *self._replaced_dirs(name, version)]
 
     def ensure_writable(self) -> None:
         try:
@@ -502,7 +678,10 @@ class Store:
         inputs: dict[str, DatasetRef | str] | None = None,
         rank: int = 0,
         world_size: int = 1,
+        replace: bool = False,
     ) -> DatasetWriter:
+        """A writer for the version these arguments determine; `replace=True` recomputes a
+        committed version without taking it away before the new one commits."""
         return DatasetWriter(
             self,
             name,
@@ -512,33 +691,80 @@ class Store:
             inputs=inputs or {},
             rank=rank,
             world_size=world_size,
+            replace=replace,
         )
 
     def set_latest(self, ref: DatasetRef) -> None:
-        atomic_write_text(self.root / ref.name / "LATEST", ref.version + "\n")
+        try:
+            atomic_write_text(self.root / ref.name / "LATEST", ref.version + "\n")
+        except OSError as e:
+            raise disk_error(
+                e,
+                f"{ref.name}/LATEST",
+                kept=f"{ref} itself is complete; a re-run points LATEST at it",
+            ) from e
+
+    def _run_path(self, run: str) -> Path:
+        return self.root / "_runs" / f"{check_run_name(run)}.json"
 
     def record_run(self, run: str, produced: dict[str, DatasetRef | str]) -> Path:
         """Record which version each stage of a named run produced (merged into earlier calls)."""
-        if not _NAME_RE.match(run):
-            raise OpdError(f"invalid run name {run!r}: use lowercase letters, digits, - and _")
-        path = self.root / "_runs" / f"{run}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = json.loads(path.read_text()) if path.exists() else {"run": run, "datasets": {}}
+        path = self._run_path(run)
+        data = {"run": run, "datasets": self.run_datasets(run) if path.exists() else {}}
         data["datasets"].update({k: str(v) for k, v in produced.items()})
         data["updated_at"] = now_iso()
-        atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True))
+        except OSError as e:
+            raise disk_error(
+                e, f"run record {path}", kept="the datasets are complete; a re-run records them"
+            ) from e
         return path
+
+    def run_datasets(self, run: str) -> dict[str, str]:
+        """What a named run produced: step key or dataset name -> exact `NAME@VERSION`."""
+        path = self._run_path(run)
+        if not path.exists():
+            raise DatasetNotFound(f"no run named {run!r} under {self.root}; see {path.parent}")
+        try:
+            produced = json.loads(path.read_text())["datasets"]
+            refs = {str(k): DatasetRef.parse_exact(v) for k, v in produced.items()}
+        except (
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            OpdError,
+        ) as e:
+            raise CorruptDataset(
+                f"run record {path} is corrupted ({e}); delete it and re-run the chain "
+                "with --run-name to record it again"
+            ) from None
+        return {k: str(ref) for k, ref in refs.items()}
 
     # -- reading ---------------------------------------------------------------------------
 
     def resolve(self, text: str) -> DatasetRef:
         """`NAME@VERSION`, `NAME@latest` (or bare `NAME`), or `NAME@run:RUN` -> exact ref."""
         name, sep, what = text.strip().partition("@")
-        if not _NAME_RE.match(name or "-"):
-            raise OpdError(
-                f"bad dataset ref {text!r}; expected NAME@VERSION, NAME@latest or NAME@run:RUN"
-            )
-        self.check_name(name)
+        if not _NAME_RE.fullmatch(name):
+            raise OpdError(f"bad dataset ref {text!r}; {_REF_FORMS}")
+        if what.startswith("run:"):
+            run = what[4:]
+            produced = self.run_datasets(run)
+            if name not in produced:
+                raise DatasetNotFound(
+                    f"run {run!r} produced no {name} dataset; it has: {', '.join(produced)}"
+                )
+            ref = DatasetRef.parse_exact(produced[name])
+            if ref.name != name:
+                raise CorruptDataset(
+                    f"run record {self._run_path(run)} maps {name} to {ref}, another dataset; "
+                    "delete the record and re-run the chain with --run-name to record it again"
+                )
+            return ref
         if not (self.root / name).is_dir():
             here = ", ".join(self.names()) or "none"
             raise DatasetNotFound(
@@ -546,25 +772,13 @@ class Store:
                 "stage that makes it first, or check the name and --root/OPD_HOME"
             )
         if not sep or what == "latest":
-            latest = self.root / name / "LATEST"
-            if not latest.exists():
-                raise DatasetNotFound(
-                    f"no complete {name} dataset under {self.root} yet: run the stage that "
-                    "makes it first (`opd ls` shows what exists)"
-                )
-            return DatasetRef(name, latest.read_text().strip())
-        if what.startswith("run:"):
-            run = what[4:]
-            path = self.root / "_runs" / f"{run}.json"
-            if not path.exists():
-                raise DatasetNotFound(f"no run named {run!r} under {self.root}")
-            produced = json.loads(path.read_text())["datasets"]
-            if name not in produced:
-                raise DatasetNotFound(
-                    f"run {run!r} produced no {name} dataset; it has: {', '.join(produced)}"
-                )
-            return DatasetRef.parse_exact(produced[name])
-        if re.fullmatch(r"[0-9a-f]{4,12}", what):
+            return self._latest(name)
+        if re.fullmatch(rf"[0-9a-f]{{1,{_MIN_PREFIX - 1}}}", what):
+            raise OpdError(
+                f"version prefix {what!r} in {text!r} is too short: give at least {_MIN_PREFIX} "
+                f"of the version's {VERSION_LEN} hex digits (see `opd ls {name}`), or {name}@latest"
+            )
+        if re.fullmatch(rf"[0-9a-f]{{{_MIN_PREFIX},{VERSION_LEN}}}", what):
             matches = [v for v in self.versions(name) if v.startswith(what)]
             if len(matches) == 1:
                 return DatasetRef(name, matches[0])
@@ -573,9 +787,22 @@ class Store:
             raise DatasetNotFound(
                 f"no {name} dataset version starting with {what!r}; see `opd ls {name}`"
             )
-        raise OpdError(
-            f"bad dataset ref {text!r}; expected NAME@VERSION, NAME@latest or NAME@run:RUN"
-        )
+        raise OpdError(f"bad dataset ref {text!r}; {_REF_FORMS}")
+
+    def _latest(self, name: str) -> DatasetRef:
+        latest = self.root / name / "LATEST"
+        if not latest.exists():
+            raise DatasetNotFound(
+                f"no complete {name} dataset under {self.root} yet: run the stage that makes "
+                "it first (`opd ls` shows what exists) or check --root/OPD_HOME"
+            )
+        version = latest.read_bytes().decode("utf-8", "replace").strip()
+        if not _VERSION_RE.fullmatch(version):
+            raise CorruptDataset(
+                f"{latest} holds {version[:40]!r}, not a dataset version: write one of "
+                f"`opd ls {name}` into it, or delete it and re-run the {name} stage"
+            )
+        return DatasetRef(name, version)
 
     def open(self, ref: str | DatasetRef) -> Dataset:
         if isinstance(ref, str):
@@ -589,12 +816,14 @@ class Store:
         d = self.root / name
         if not d.is_dir():
             return []
-        return sorted(p.name for p in d.iterdir() if p.is_dir() and _VERSION_RE.match(p.name))
+        return sorted(p.name for p in d.iterdir() if p.is_dir() and _VERSION_RE.fullmatch(p.name))
 
     def names(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _NAME_RE.match(p.name))
+        return sorted(
+            p.name for p in self.root.iterdir() if p.is_dir() and _NAME_RE.fullmatch(p.name)
+        )
 
     def listing(self, name: str | None = None) -> list[dict[str, Any]]:
         """One row per version directory: complete or not, rows, bytes, creation time."""
@@ -652,26 +881,65 @@ class Store:
                 os.close(fd)
         return False
 
+    def _locked_anywhere(self, version: str) -> bool:
+        return any(self._locked(n, version) for n in self.names())
+
+    def _committed_anywhere(self, version: str) -> bool:
+        return any(_complete(self.dataset_dir(n, version)) for n in self.names())
+
     def gc(self, dry_run: bool = False) -> list[Path]:
-        """Remove incomplete dataset directories and stale temporaries no writer holds."""
+        """Remove what no writer holds and no complete dataset needs: incomplete versions,
+        leftovers of replacements (after restoring a complete copy a kill left aside), the
+        training work directories of committed versions, and temporaries of dead processes."""
         doomed: list[Path] = []
         for name in self.names():
-            for v in self.versions(name):
-                d = self.dataset_dir(name, v)
+            d = self.root / name
+            beside = {m.group(1) for p in d.iterdir() if (m := _BESIDE_RE.fullmatch(p.name))}
+            for v in sorted({*self.versions(name), *beside}):
                 if self._locked(name, v):
                     continue
-                if not (d / MANIFEST).exists():
-                    doomed.append(d)
-                else:
+                keep = self._recovery_source(name, v)
+                if not dry_run:
+                    self._restore(name, v)
+                    keep = None
+                final = self.dataset_dir(name, v)
+                if final.is_dir() and not _complete(final):
+                    doomed.append(final)
+                elif _complete(final):
                     doomed += [
-                        *d.glob("**/.*.tmp-*"),
-                        *d.glob("**/.*.meta.json"),
-                        *d.glob(".rank-*"),
+                        *final.glob("**/.*.tmp-*"),
+                        *final.glob("**/.*.meta.json"),
+                        *final.glob(".rank-*"),
                     ]
-            for lock in (self.root / name).glob(".*.lock"):
+                if keep is None:
+                    doomed += self._replacement_leftovers(name, v)
+                else:  # dry run: what the restore would leave beside the version
+                    beside_v = [self.staging_dir(name, v), *self._replaced_dirs(name, v)]
+                    doomed += [p for p in beside_v if p.exists() and p != keep]
+            for lock in d.glob(".*.lock"):
                 v = lock.name[1:].split(".")[0]
                 if not self.dataset_dir(name, v).exists() and not self._locked(name, v):
                     doomed.append(lock)
+            doomed += [p for p in d.glob(".*.tmp-*") if _stale_tmp(p)]
+        work = self.root / "_work"
+        for v_dir in work.glob("*/*") if work.is_dir() else []:
+            v = v_dir.name
+            if not v_dir.is_dir() or not _VERSION_RE.fullmatch(v) or self._locked_anywhere(v):
+                continue
+            if self._committed_anywhere(v):
+                doomed.append(v_dir)  # checkpoints of a finished stage: never read again
+            else:
+                doomed += [p for p in v_dir.glob(".*.tmp-*") if _stale_tmp(p)]
+        cache = self.root / "_cache" / "verified"
+        for c_dir in cache.glob("*/*") if cache.is_dir() else []:
+            if not _complete(self.dataset_dir(c_dir.parent.name, c_dir.name)):
+                doomed.append(c_dir)
+        for folder in (self.root, self.root / "_runs", *cache.glob("*/*")):
+            if folder.is_dir():
+                doomed += [p for p in folder.glob(".*") if p.is_file() and _stale_tmp(p)]
+        # Once each, and not again inside a directory that goes anyway.
+        doomed = list(dict.fromkeys(doomed))
+        doomed = [p for p in doomed if not any(q in p.parents for q in doomed)]
         if not dry_run:
             for p in doomed:
                 if p.is_dir():

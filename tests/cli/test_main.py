@@ -1,4 +1,5 @@
 import json
+import os
 
 import pyarrow as pa
 from click.testing import CliRunner
@@ -43,3 +44,48 @@ def test_user_errors_are_one_line_and_nonzero(tmp_path):
         assert r.exit_code == 2, r.output
         assert r.output.startswith("error: ") and msg in r.output
         assert len(r.output.strip().splitlines()) == 1
+
+
+def _one_line_error(root, *args: str) -> str:
+    r = CliRunner().invoke(cli, ["--root", str(root), *args])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: ") and len(r.output.strip().splitlines()) == 1, r.output
+    return r.output
+
+
+def test_bad_names_and_values_are_one_line_errors_before_any_work(tmp_path):
+    root = tmp_path / "root"
+    _ds(root)
+    listed = sorted(p.relative_to(root) for p in root.rglob("*"))
+    assert "at least 4 of the version's 12 hex digits" in _one_line_error(
+        root, "show", "prompts@ab"
+    )
+    for args in (["run", "prompts", "--run-name", "../x"], ["analyze", "--run", "../../x"]):
+        assert "invalid run name" in _one_line_error(root, *args, "--profile", "tiny")
+    as_list = tmp_path / "list.json"
+    as_list.write_text('[{"sft": {"lr": 0.1}}]')
+    out = _one_line_error(root, "run", "sft", "--profile", "tiny", "--config", str(as_list))
+    assert "holds a JSON list; it must be an object of sections" in out
+    for args in (
+        ["eval", "--temperature", "inf"],
+        ["eval", "--temperature", "nan"],
+        ["eval", "--set", "evaluate.temperature=Infinity"],
+        ["run", "sft", "--set", "sft.lr=NaN"],
+        ["run", "sft", "--set", "sft.lr=-Infinity"],
+    ):
+        assert "finite number" in _one_line_error(root, *args, "--profile", "tiny"), args
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == listed  # nothing written
+
+
+def test_show_verify_hashes_every_byte(tmp_path):
+    ds = _ds(tmp_path)
+    r = CliRunner().invoke(cli, ["--root", str(tmp_path), "show", "prompts", "--verify"])
+    assert "all verified" in r.output
+    shard = ds.path / "a.parquet"
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as the cache knows
+    out = _one_line_error(tmp_path, "show", "prompts", "--verify")
+    assert f"{ds.ref}: shard 'a.parquet' fails its sha256 check" in out

@@ -206,6 +206,18 @@ def test_bad_user_rows_are_skipped_and_counted(tokenizer, tmp_path):
     }
 
 
+def test_a_lone_surrogate_is_a_skipped_row_not_a_traceback(tokenizer, tmp_path):
+    # valid JSON whose string is not encodable text: "\ud800" parses to a lone surrogate
+    lone = b'{"text": "def f(\\ud800):\\n"}'
+    chat = b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}'
+    path = write_jsonl(tmp_path / "s.jsonl", [json.dumps({"text": "def g():\n"}), lone, chat])
+    rows, skipped = user_rows(path, tokenizer, PromptsConfig())
+    assert [r["source"] for r in rows] == ["s.jsonl:1"]
+    assert skipped == {"not_utf8": 2}
+    with pytest.raises(ValueError, match=r"no usable prompt rows \(not_utf8: 1\)"):
+        user_rows(write_jsonl(tmp_path / "only.jsonl", [lone]), tokenizer, PromptsConfig())
+
+
 def test_unusable_files_are_clear_errors(tokenizer, tmp_path):
     cfg = PromptsConfig()
     with pytest.raises(ValueError, match="no usable prompt rows"):

@@ -58,3 +58,47 @@ def test_features_killed_mid_run_resume_to_identical_checksums(tiny, tmp_path):
     sums = lambda ds: {s["path"]: s["sha256"] for s in ds.manifest["shards"]}  # noqa: E731
     assert sums(resumed) == sums(reference)
     assert features.VOCAB_FILE in sums(resumed)
+
+
+def test_force_killed_mid_stage_keeps_the_old_dataset_until_the_new_one_commits(tiny):
+    store, ctx, cfg, prompts = tiny
+    run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx)
+    args = ("run", "features", "--profile", "tiny", "--no-progress", *SETS)
+    first = _opd(store.root, *args)
+    out = first.communicate(timeout=600)[0]
+    assert first.returncode == 0, out
+    old = store.open("features@latest")
+    sums = lambda ds: {s["path"]: s["sha256"] for s in ds.manifest["shards"]}  # noqa: E731
+    reference = sums(old)
+    old_inode = (old.path / "part-00002.arrow").stat().st_ino
+
+    proc = _opd(store.root, *args, "--force")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        new = [
+            p
+            for p in store.root.glob("features/*/part-00002.arrow")
+            if p.stat().st_ino != old_inode
+        ]
+        if new:  # the recompute is past its third shard
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the stage finished before it could be killed"
+
+    after = Store(store.root)
+    assert after.resolve("features@latest") == old.ref  # LATEST still names a complete dataset
+    kept = after.open("features@latest")
+    kept.verify_all(rehash=True)
+    assert sums(kept) == reference
+    assert [r["complete"] for r in after.listing("features")] == [True]
+
+    again = _opd(store.root, *args, "--force")
+    out = again.communicate(timeout=600)[0]
+    assert again.returncode == 0, out
+    assert "resuming" in out  # from the shards the killed recompute staged
+    assert sums(after.open("features@latest")) == reference
+    beside = [p.name for p in (store.root / "features").iterdir() if p.name.startswith(".")]
+    assert beside == [f".{old.ref.version}.lock"]
+    assert after.gc(dry_run=True) == []

@@ -22,6 +22,7 @@ from pipeline.targets import TargetConfig, TargetLoader
 from pipeline.trainer import TrainingStopped
 from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
+from tests.pipeline.test_training import flip_tensor_byte
 
 REPO = Path(__file__).resolve().parents[2]
 # fp32 keeps the tiny runs fast; the resume test covers the default bf16 autocast.
@@ -118,6 +119,30 @@ def test_resumed_run_matches_uninterrupted_bit_for_bit(tiny_features):
     cols = ["kind", "step", "loss", "lr", "grad_norm", "acc", "tau_sim", "tau_chain"]
     assert metrics.select(cols).equals(fresh_metrics.select(cols))
     assert len(metrics.filter(pl.col("kind") == "train")) == 8
+
+
+def test_a_corrupted_checkpoint_is_reported_and_the_previous_one_resumed(tiny_features, caplog):
+    store, ctx, feats = tiny_features
+    cfg = sft.Config(steps=7, batch_size=4, val_share=0.2, val_every=3, ttt_steps=3, tau_k=3)
+    stop = cfg.model_copy(update={"stop_after_steps": 4, "checkpoint_every": 2})
+    with pytest.raises(TrainingStopped):
+        run_stage(sft.STAGE, stop, {"features": feats}, ctx)
+    (work,) = [
+        p for p in (store.root / "_work" / "sft").iterdir() if (p / "step-00000004").is_dir()
+    ]
+    ckpts = training.Checkpointer(work)
+    assert ckpts._steps() == [2, 4]
+    # a flipped byte in the frozen vocab map: loads fine, trains, and ships a wrong d2t
+    flip_tensor_byte(ckpts.path(4) / "tensors.safetensors", "model/d2t")
+    with caplog.at_level("INFO", logger="opd"):
+        resumed = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    assert "step-00000004 is corrupted: tensors.safetensors fails its sha256" in caplog.text
+    assert "resuming from step 2" in caplog.text
+    assert resumed.ref.version == work.name
+    fresh = run_stage(sft.STAGE, cfg, {"features": feats}, ctx, force=True).dataset
+    sums = lambda ds: {s["path"]: s["sha256"] for s in ds.manifest["shards"]}  # noqa: E731
+    for name in ("model.safetensors", features.VOCAB_FILE):
+        assert sums(resumed)[name] == sums(fresh)[name], name
 
 
 def test_more_features_are_trained_on_and_must_share_the_vocab_map(tiny_features, tmp_path):

@@ -290,15 +290,79 @@ def test_checkpoint_files_keep_and_atomicity(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000002", "step-00000003"]
     # safetensors + JSON only: the state parses as JSON, nothing is pickled
     files = sorted(p.name for p in ck.path(3).iterdir())
-    assert files == ["state.json", "tensors.safetensors"]
+    assert files == ["checksums.json", "state.json", "tensors.safetensors"]
     doc = json.loads((ck.path(3) / "state.json").read_text())
     assert doc["step"] == 3 and doc["scheduler"]["steps_done"] == 1
     # a half-written checkpoint (killed before the rename) is invisible
     (tmp_path / "ck" / ".step-00000004.tmp-1").mkdir()
     assert ck.latest() == 3
     (ck.path(3) / "state.json").write_text("{")
-    with pytest.raises(OpdError, match="unreadable"):
+    with pytest.raises(OpdError, match="step-00000003 is corrupted: state.json fails its sha256"):
         ck.load(3, optimizer=opt, scheduler=sched)
+    (ck.path(3) / "checksums.json").unlink()
+    with pytest.raises(OpdError, match="step-00000003 is unreadable"):
+        ck.load(3, optimizer=opt, scheduler=sched)
+
+
+def flip_tensor_byte(path: Path, tensor: str) -> None:
+    """Flip one byte inside `tensor`'s data in a safetensors file (the file stays parseable)."""
+    data = bytearray(path.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8 : 8 + header_len])[tensor]["data_offsets"]
+    data[8 + header_len + (start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("part", ["tensors", "state"])
+def test_a_corrupted_checkpoint_is_set_aside_and_the_one_before_used(tmp_path, caplog, part):
+    model, opt, sched = _setup()
+    ck = training.Checkpointer(tmp_path / "ck", keep=2)
+    for step in (1, 2):
+        _train(model, opt, sched, 1)
+        ck.save(step, model=model.state_dict(), optimizer=opt, scheduler=sched, state={"s": step})
+    if part == "tensors":
+        flip_tensor_byte(ck.path(2) / "tensors.safetensors", "model/0.weight")
+    else:  # still valid JSON, another value
+        state = ck.path(2) / "state.json"
+        state.write_text(state.read_text().replace('"s": 2', '"s": 3'))
+    with caplog.at_level("WARNING", logger="opd"):
+        assert ck.latest() == 1
+    assert (
+        "step-00000002 is corrupted" in caplog.text and "using the checkpoint before" in caplog.text
+    )
+    assert [p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")] == [
+        f".step-00000002.corrupt-{os.getpid()}"
+    ]
+    saved = ck.load(1, optimizer=opt, scheduler=sched)
+    assert saved.state == {"s": 1}
+    # the good checkpoint is not rotated out by the next saves
+    ck.save(2, model=model.state_dict(), optimizer=opt, scheduler=sched, state={"s": 2})
+    assert ck.latest() == 2 and ck._steps() == [1, 2]
+    flip_tensor_byte(ck.path(1) / "tensors.safetensors", "model/0.weight")
+    flip_tensor_byte(ck.path(2) / "tensors.safetensors", "model/0.weight")
+    assert ck.latest() is None  # nothing good left: a fresh start
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_error_and_keeps_the_earlier_ones(
+    tmp_path, monkeypatch
+):
+    model, opt, sched = _setup()
+    ck = training.Checkpointer(tmp_path / "ck", keep=2)
+    ck.save(1, model=model.state_dict(), optimizer=opt, scheduler=sched, state={})
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(
+        OpdError,
+        match=r"disk full while writing checkpoint .*step-00000002; earlier checkpoints are kept "
+        r"and a re-run resumes from the newest: free space",
+    ):
+        ck.save(2, model=model.state_dict(), optimizer=opt, scheduler=sched, state={})
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000001"]
+    assert ck.latest() == 1
 
 
 # -- acceptance metrics --------------------------------------------------------------------
