@@ -15,6 +15,10 @@ import click
 
 from storage import OpdError, Store, default_root
 
+_PROFILE_HELP = (
+    "Config profile [default: the target the input datasets were made with, else 'default']."
+)
+
 
 def _human_bytes(n: int | None) -> str:
     if n is None:
@@ -137,7 +141,9 @@ def _setup_logging() -> None:
 @cli.command("run")
 @click.argument("stage")
 @click.option(
-    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+    "--profile",
+    default=None,
+    help="Config profile (tiny, default) [default: default; a single stage takes its target from its inputs].",
 )
 @click.option(
     "--config",
@@ -179,7 +185,7 @@ def _setup_logging() -> None:
 def run_cmd(
     store: Store,
     stage: str,
-    profile: str,
+    profile: str | None,
     config_file: Path | None,
     sets: tuple[str, ...],
     input_refs: tuple[str, ...],
@@ -195,10 +201,10 @@ def run_cmd(
     from pipeline.chains import CHAINS, DEFAULT_INPUT, record_results, run_chain, single_step
     from pipeline.profiles import load_config
     from pipeline.runner import RunContext
-    from pipeline.targets import TargetLoader
+    from pipeline.targets import TargetLoader, target_for
 
     _setup_logging()
-    cfg = load_config(profile, config_file, list(sets))
+    cfg = load_config(profile or "default", config_file, list(sets))
     ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=not no_progress)
     if stage in CHAINS:
         steps = CHAINS[stage](cfg)
@@ -217,6 +223,11 @@ def run_cmd(
             role: store.open(roles.get(role, DEFAULT_INPUT.get(role, role))) for role in wanted
         }
         step.inputs = {role: role for role in wanted}
+        stated = _states_target(profile, sets, config_file)
+        cfg = cfg.model_copy(
+            update={"target": target_for(external.values(), cfg.target, stated=stated)}
+        )
+        ctx.target_loader = TargetLoader(cfg.target)
         steps = [step]
         forced = {step.key} if force else set()
     if use_prefect:
@@ -237,12 +248,27 @@ def run_cmd(
             click.echo(f"serve with:  {info['vllm_command']}")
 
 
-def _loader(profile: str, sets: tuple[str, ...]):
-    from pipeline.profiles import load_config
-    from pipeline.targets import TargetLoader
+def _states_target(
+    profile: str | None, sets: tuple[str, ...], config_file: Path | None = None
+) -> bool:
+    """Whether the command line names a target itself (else existing datasets decide it)."""
+    named_in_file = config_file is not None and "target" in json.loads(config_file.read_text())
+    return (
+        profile is not None
+        or named_in_file
+        or any(s.split("=")[0].split(".")[0] == "target" for s in sets)
+    )
 
-    cfg = load_config(profile, None, list(sets))
-    return cfg, TargetLoader(cfg.target)
+
+def _loader(profile: str | None, sets: tuple[str, ...], datasets=()):
+    """Config and target loader; the target is the one `datasets` were made with, if recorded."""
+    from pipeline.profiles import load_config
+    from pipeline.targets import TargetLoader, target_for
+
+    cfg = load_config(profile or "default", None, list(sets))
+    target = target_for(datasets, cfg.target, stated=_states_target(profile, sets))
+    cfg = cfg.model_copy(update={"target": target})
+    return cfg, TargetLoader(target)
 
 
 @cli.command("eval")
@@ -263,7 +289,7 @@ def _loader(profile: str, sets: tuple[str, ...]):
     default=None,
     help="Sampling temperature [profile: evaluate.temperature].",
 )
-@click.option("--profile", default="default", show_default=True)
+@click.option("--profile", default=None, help=_PROFILE_HELP)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--force", is_flag=True, help="Re-measure even if this evaluation exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
@@ -274,7 +300,7 @@ def eval_cmd(
     prompts_ref: str,
     k: int | None,
     temperature: float | None,
-    profile: str,
+    profile: str | None,
     sets: tuple[str, ...],
     force: bool,
     as_json: bool,
@@ -286,11 +312,11 @@ def eval_cmd(
     extra = ([f"evaluate.k={k}"] if k is not None else []) + (
         [f"evaluate.temperature={temperature}"] if temperature is not None else []
     )
-    cfg, loader = _loader(profile, sets + tuple(extra))
+    inputs = {"prompts": store.open(prompts_ref), "drafter": store.open(drafter_ref)}
+    cfg, loader = _loader(profile, sets + tuple(extra), inputs.values())
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json)
     if not as_json:
         _setup_logging()
-    inputs = {"prompts": store.open(prompts_ref), "drafter": store.open(drafter_ref)}
     res = run_stage(evaluate, cfg.evaluate, inputs, ctx, force=force)
     stats = {k2: v for k2, v in res.dataset.meta.items()} | {"eval": str(res.ref)}
     if as_json:
@@ -344,12 +370,7 @@ def eval_cmd(
     show_default=True,
     help="Tokens per sequence-position bucket.",
 )
-@click.option(
-    "--profile",
-    default="default",
-    show_default=True,
-    help="Profile whose target's tokenizer decodes tokens.",
-)
+@click.option("--profile", default=None, help=_PROFILE_HELP)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--force", is_flag=True, help="Rebuild the report even if this version exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the headline numbers as JSON.")
@@ -361,7 +382,7 @@ def analyze_cmd(
     top: int,
     bins: int,
     position_bucket: int,
-    profile: str,
+    profile: str | None,
     sets: tuple[str, ...],
     force: bool,
     as_json: bool,
@@ -370,8 +391,8 @@ def analyze_cmd(
     from pipeline import analyze
     from pipeline.runner import RunContext, run_stage
 
-    _, loader = _loader(profile, sets)
     inputs = analyze.resolve_sources(store, input_refs, run_name)
+    _, loader = _loader(profile, sets, inputs.values())
     cfg = analyze.Config(top_tokens=top, confidence_bins=bins, position_bucket=position_bucket)
     res = run_stage(
         analyze,
@@ -407,21 +428,47 @@ def analyze_cmd(
     default="eagle3",
     show_default=True,
 )
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory to write.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Directory to write (new or empty; see --overwrite).",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace a non-empty --out (never the target's directory)."
+)
 @click.option(
     "--k", type=int, default=6, show_default=True, help="num_speculative_tokens to serve with."
 )
-@click.option("--profile", default="default", show_default=True)
+@click.option(
+    "--verifier",
+    default=None,
+    metavar="NAME_OR_PATH",
+    help="The target as the serving machine names it (speculators verifier.name_or_path) "
+    "[default: the hub name in the target's config.json, else its local path].",
+)
+@click.option("--profile", default=None, help=_PROFILE_HELP)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.pass_obj
 def export_cmd(
-    store: Store, drafter_ref: str, fmt: str, out: Path, k: int, profile: str, sets: tuple[str, ...]
+    store: Store,
+    drafter_ref: str,
+    fmt: str,
+    out: Path,
+    overwrite: bool,
+    k: int,
+    verifier: str | None,
+    profile: str | None,
+    sets: tuple[str, ...],
 ) -> None:
     """Write a drafter as a directory vLLM loads, and print the command that serves it."""
     from pipeline.export import export_drafter
 
-    _, loader = _loader(profile, sets)
-    info = export_drafter(store.open(drafter_ref), loader, fmt, out, k)  # type: ignore[arg-type]
+    drafter = store.open(drafter_ref)
+    _, loader = _loader(profile, sets, [drafter])
+    info = export_drafter(drafter, loader, fmt, out, k, overwrite=overwrite, verifier=verifier)  # type: ignore[arg-type]
+    for warning in info["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
     click.echo(
         f"exported {info['drafter']} as {fmt} to {info['path']} (round trip: identical logits)"
     )

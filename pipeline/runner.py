@@ -127,6 +127,8 @@ def run_stage(
                 writer.rank_done()
                 if writer.ranks_done() != list(range(world_size)):
                     return StageResult(None, False, time.perf_counter() - t0)  # type: ignore[arg-type]
+            if getattr(module, "USES_TARGET", False):
+                meta = {**meta, **ctx.target_loader.record()}
             ds = writer.commit(meta=meta)
     except BaseException:
         if aside is not None and not writer.exists():
