@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--target", default="embedded")
     args = ap.parse_args()
-    loader = TargetLoader(TargetConfig(path=args.target))
+    loader = TargetLoader(TargetConfig(path=args.target, aux_layer_ids=[1, 3, 5]))
     target = loader.target
     cfg = features.Config(batch_size=8, rows_per_shard=32)
     tmp = Path(tempfile.mkdtemp(prefix="opd-bench-"))

@@ -27,7 +27,7 @@ from pipeline.targets import EMBEDDED_TARGET
 
 def bench_target() -> tuple[Target, str]:
     if (EMBEDDED_TARGET / "config.json").exists():
-        return load_target(EMBEDDED_TARGET), "embedded"
+        return load_target(EMBEDDED_TARGET, aux_layer_ids=(1, 3, 5)), "embedded"
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -42,7 +42,9 @@ def bench_target() -> tuple[Target, str]:
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return Target.from_model(LlamaForCausalLM(config)), "random llama 6x256, vocab 4096"
+    return Target.from_model(
+        LlamaForCausalLM(config), aux_layer_ids=(1, 3, 5)
+    ), "random llama 6x256, vocab 4096"
 
 
 @torch.no_grad()

@@ -111,7 +111,9 @@ def main() -> None:
     tmp = Path(args.dir or tempfile.mkdtemp(prefix="opd-bench-sft-"))
     try:
         store = Store(tmp)
-        loader = TargetLoader(TargetConfig(path="random", random=EMBEDDED_SHAPE))
+        loader = TargetLoader(
+            TargetConfig(path="random", random=EMBEDDED_SHAPE, aux_layer_ids=[1, 3, 5])
+        )
         target = loader.target
         ctx = RunContext(store=store, target_loader=loader, progress=False)
         results = {}

@@ -29,7 +29,7 @@ EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny_target" / "mod
 def embedded_or_random_target(seed: int = 0) -> tuple[Target, str]:
     """The embedded target if trained, else a random Llama of its shape."""
     if (EMBEDDED / "model.safetensors").is_file():
-        return load_target(EMBEDDED), "embedded"
+        return load_target(EMBEDDED, aux_layer_ids=(1, 3, 5)), "embedded"
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=6144,
@@ -42,7 +42,9 @@ def embedded_or_random_target(seed: int = 0) -> tuple[Target, str]:
         tie_word_embeddings=False,
     )
     config._attn_implementation = "sdpa"
-    return Target.from_model(LlamaForCausalLM(config).eval()), "random(6x256, vocab 6144)"
+    return Target.from_model(
+        LlamaForCausalLM(config).eval(), aux_layer_ids=(1, 3, 5)
+    ), "random(6x256, vocab 6144)"
 
 
 def per_anchor(target: Target, context: torch.Tensor, branches) -> list[torch.Tensor]:

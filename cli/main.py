@@ -15,6 +15,10 @@ import click
 
 from storage import OpdError, Store, check_run_name, default_root
 
+_PROFILE_HELP = (
+    "Config profile [default: the target the input datasets were made with, else 'default']."
+)
+
 
 def _human_bytes(n: int | None) -> str:
     if n is None:
@@ -155,7 +159,9 @@ class _RunCommand(click.Command):
 @cli.command("run", cls=_RunCommand)
 @click.argument("stage")
 @click.option(
-    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+    "--profile",
+    default=None,
+    help="Config profile (tiny, default) [default: default; a single stage takes its target from its inputs].",
 )
 @click.option(
     "--config",
@@ -197,7 +203,7 @@ class _RunCommand(click.Command):
 def run_cmd(
     store: Store,
     stage: str,
-    profile: str,
+    profile: str | None,
     config_file: Path | None,
     sets: tuple[str, ...],
     input_refs: tuple[str, ...],
@@ -213,11 +219,11 @@ def run_cmd(
     from pipeline.chains import CHAINS, record_results, run_chain, single_step
     from pipeline.profiles import load_config
     from pipeline.runner import RunContext
-    from pipeline.targets import TargetLoader
+    from pipeline.targets import TargetLoader, target_for
 
     check_run_name(run_name)  # before any work: a bad name must not fail a finished run
     _setup_logging()
-    cfg = load_config(profile, config_file, list(sets))
+    cfg = load_config(profile or "default", config_file, list(sets))
     ctx = RunContext(
         store=store,
         target_loader=TargetLoader(cfg.target),
@@ -242,6 +248,11 @@ def run_cmd(
             role: store.open(roles.get(role) or step.stage.default_ref(role)) for role in wanted
         }
         step.inputs = {role: role for role in wanted}
+        stated = _states_target(profile, sets, config_file)
+        cfg = cfg.model_copy(
+            update={"target": target_for(external.values(), cfg.target, stated=stated)}
+        )
+        ctx.target_loader = TargetLoader(cfg.target)
         steps = [step]
         forced = {step.key} if force else set()
     if use_prefect:
@@ -262,18 +273,42 @@ def run_cmd(
             click.echo(f"serve with:  {info['vllm_command']}")
 
 
-def _loader(profile: str, sets: tuple[str, ...], k: int | None = None):
-    """The config with `drafting.k` overridden by a command's `--k`, and its target loader."""
-    from pipeline.profiles import load_config
-    from pipeline.targets import TargetLoader
+def _states_target(
+    profile: str | None, sets: tuple[str, ...], config_file: Path | None = None
+) -> bool:
+    """Whether the command line names a target itself (else existing datasets decide it)."""
+    named_in_file = config_file is not None and "target" in json.loads(config_file.read_text())
+    return (
+        profile is not None
+        or named_in_file
+        or any(s.split("=")[0].split(".")[0] == "target" for s in sets)
+    )
 
-    cfg = load_config(profile, None, list(sets))
+
+def _config(profile: str | None, sets: tuple[str, ...], k: int | None = None):
+    """The validated config (before any input is opened), with a command's `--k` as
+    `drafting.k` where given."""
+    from pipeline.profiles import load_config
+
+    if k is not None and k < 1:
+        raise OpdError(f"--k must be >= 1 (tokens drafted per step), got {k}")
+    cfg = load_config(profile or "default", None, list(sets))
     if k is not None:
         # Evaluating or serving a trained drafter deeper than its TTT depth is a fair question
         # to ask of it; the ttt_steps >= k rule guards training configs, so raise it alongside.
         ttt = max(k, cfg.drafting.ttt_steps)
-        cfg = load_config(profile, None, [*sets, f"drafting.k={k}", f"drafting.ttt_steps={ttt}"])
-    return cfg, TargetLoader(cfg.target)
+        more = [f"drafting.k={k}", f"drafting.ttt_steps={ttt}"]
+        cfg = load_config(profile or "default", None, [*sets, *more])
+    return cfg
+
+
+def _loader(cfg, profile: str | None, sets: tuple[str, ...], datasets=()):
+    """`cfg` with the target `datasets` were made with (if recorded and the command line names
+    none), and its loader."""
+    from pipeline.targets import TargetLoader, target_for
+
+    target = target_for(datasets, cfg.target, stated=_states_target(profile, sets))
+    return cfg.model_copy(update={"target": target}), TargetLoader(target)
 
 
 @cli.command("eval")
@@ -294,7 +329,7 @@ def _loader(profile: str, sets: tuple[str, ...], k: int | None = None):
     default=None,
     help="Sampling temperature [profile: evaluate.temperature].",
 )
-@click.option("--profile", default="default", show_default=True)
+@click.option("--profile", default=None, help=_PROFILE_HELP)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--force", is_flag=True, help="Re-measure even if this evaluation exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
@@ -305,7 +340,7 @@ def eval_cmd(
     prompts_ref: str,
     k: int | None,
     temperature: float | None,
-    profile: str,
+    profile: str | None,
     sets: tuple[str, ...],
     force: bool,
     as_json: bool,
@@ -315,11 +350,12 @@ def eval_cmd(
     from pipeline.runner import RunContext, run_stage
 
     extra = (f"evaluate.temperature={temperature}",) if temperature is not None else ()
-    cfg, loader = _loader(profile, sets + extra, k)
+    cfg = _config(profile, sets + extra, k)
+    inputs = {"prompts": store.open(prompts_ref), "drafter": store.open(drafter_ref)}
+    cfg, loader = _loader(cfg, profile, sets, inputs.values())
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json)
     if not as_json:
         _setup_logging()
-    inputs = {"prompts": store.open(prompts_ref), "drafter": store.open(drafter_ref)}
     res = run_stage(evaluate.STAGE, cfg.evaluate, inputs, ctx, force=force)
     stats = {k2: v for k2, v in res.dataset.meta.items()} | {"eval": str(res.ref)}
     if as_json:
@@ -373,12 +409,7 @@ def eval_cmd(
     show_default=True,
     help="Tokens per sequence-position bucket.",
 )
-@click.option(
-    "--profile",
-    default="default",
-    show_default=True,
-    help="Profile whose target's tokenizer decodes tokens.",
-)
+@click.option("--profile", default=None, help=_PROFILE_HELP)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--force", is_flag=True, help="Rebuild the report even if this version exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the headline numbers as JSON.")
@@ -390,7 +421,7 @@ def analyze_cmd(
     top: int,
     bins: int,
     position_bucket: int,
-    profile: str,
+    profile: str | None,
     sets: tuple[str, ...],
     force: bool,
     as_json: bool,
@@ -401,8 +432,9 @@ def analyze_cmd(
 
     if run_name is not None:
         check_run_name(run_name)
-    _, loader = _loader(profile, sets)
+    cfg = _config(profile, sets)
     inputs = analyze.resolve_sources(store, input_refs, run_name)
+    _, loader = _loader(cfg, profile, sets, inputs.values())
     cfg = analyze.Config(top_tokens=top, confidence_bins=bins, position_bucket=position_bucket)
     res = run_stage(
         analyze.STAGE,
@@ -438,14 +470,29 @@ def analyze_cmd(
     default="eagle3",
     show_default=True,
 )
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory to write.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Directory to write (new or empty; see --overwrite).",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace a non-empty --out (never the target's directory)."
+)
 @click.option(
     "--k",
     type=int,
     default=None,
     help="num_speculative_tokens to serve with [profile: drafting.k].",
 )
-@click.option("--profile", default="default", show_default=True)
+@click.option(
+    "--verifier",
+    default=None,
+    metavar="NAME_OR_PATH",
+    help="The target as the serving machine names it (speculators verifier.name_or_path) "
+    "[default: the hub name in the target's config.json, else its local path].",
+)
+@click.option("--profile", default=None, help=_PROFILE_HELP)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.pass_obj
 def export_cmd(
@@ -453,15 +500,23 @@ def export_cmd(
     drafter_ref: str,
     fmt: str,
     out: Path,
+    overwrite: bool,
     k: int | None,
-    profile: str,
+    verifier: str | None,
+    profile: str | None,
     sets: tuple[str, ...],
 ) -> None:
     """Write a drafter as a directory vLLM loads, and print the command that serves it."""
     from pipeline.export import export_drafter
 
-    cfg, loader = _loader(profile, sets, k)
-    info = export_drafter(store.open(drafter_ref), loader, fmt, out, cfg.drafting.k)  # type: ignore[arg-type]
+    cfg = _config(profile, sets, k)
+    drafter = store.open(drafter_ref)
+    cfg, loader = _loader(cfg, profile, sets, [drafter])
+    info = export_drafter(
+        drafter, loader, fmt, out, cfg.drafting.k, overwrite=overwrite, verifier=verifier
+    )  # type: ignore[arg-type]
+    for warning in info["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
     click.echo(
         f"exported {info['drafter']} as {fmt} to {info['path']} (round trip: identical logits)"
     )
@@ -551,7 +606,7 @@ def opd_vs_sft_cmd(
     from pipeline import experiment
     from pipeline.runner import RunContext
 
-    cfg, loader = _loader(profile, sets)
+    cfg, loader = _loader(_config(profile, sets), profile, sets)
     if not as_json:
         _setup_logging()
     ctx = RunContext(

@@ -10,8 +10,11 @@ Key names verified against vLLM (vllm/model_executor/models/llama_eagle3.py: `mi
 speculators repo (src/speculators/models/eagle3/config.py, convert/eagle/eagle3_converter.py).
 
 Every known way an export loads but accepts nothing is checked before anything is written:
-aux-layer ids missing or out of the HF/vLLM range, a broken vocab map, an fc sized for another
-target, a foreign embedding, a short-context or different rope.
+aux-layer ids missing, out of the HF/vLLM range, out of order or repeated, a broken vocab map, an
+fc sized for another target, a foreign embedding, a short-context or different rope, a target
+family vLLM's EAGLE-3 refuses. The speculators export carries its own `embed_tokens.weight`
+(the target's), so no loader has to be trusted to copy it from the verifier; the native export
+leaves it out, as vLLM shares the target's.
 """
 
 from __future__ import annotations
@@ -39,6 +42,18 @@ from models.drafter import (
 NATIVE_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 PROVENANCE_KEY = "opd_pipeline"
+EMBED_KEY = "embed_tokens.weight"
+# vLLM's EAGLE-3 target families (vllm/config/speculative.py), matched as substrings of the
+# target's model_type as vLLM does; any other target is refused when vLLM starts.
+VLLM_EAGLE3_TARGET_FAMILIES = (
+    "llama",
+    "qwen",
+    "minicpm",
+    "gpt_oss",
+    "hunyuan_vl",
+    "hunyuan_v1_dense",
+    "afmoe",
+)
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
@@ -106,6 +121,12 @@ def check_export_invariants(
         raise ExportError(
             "embedding: the drafter's embedding is not the target's own (trained against another checkpoint?); "
             "vLLM will use the target's embedding"
+        )
+    model_type = str(target.get("model_type", ""))
+    if not any(family in model_type for family in VLLM_EAGLE3_TARGET_FAMILIES):
+        raise ExportError(
+            f"target family: vLLM's EAGLE-3 refuses {model_type or 'unknown'!r} targets at start-up; "
+            f"it supports {', '.join(VLLM_EAGLE3_TARGET_FAMILIES)}: train the drafter for one of those"
         )
     rope = rope_parameters_of(target)
     if cfg.rope_parameters != rope:
@@ -222,7 +243,9 @@ def export_speculators(
 ) -> Path:
     """Write the speculators-format directory (speculators_model_type "eagle3", tensors `layers.0.*`).
 
-    `norm_before_residual: false` is written explicitly: vLLM's speculators loader defaults it to true.
+    Self-contained: `embed_tokens.weight` is the target's embedding (checked equal to
+    `target_embed_weight` when given). `norm_before_residual: false` is written explicitly: vLLM's
+    speculators loader defaults it to true.
     """
     if speculative_tokens < 1:
         raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
@@ -233,6 +256,8 @@ def export_speculators(
         name.replace("midlayer.", "layers.0.", 1): t
         for name, t in _export_tensors(drafter, dtype).items()
     }
+    embed = drafter.embed_tokens.weight.detach().contiguous()
+    tensors[EMBED_KEY] = embed.to(dtype) if dtype is not None else embed
     config = {
         "architectures": [SPECULATORS_ARCHITECTURE],
         "speculators_model_type": "eagle3",
@@ -285,11 +310,14 @@ def _aux_ids(config: dict[str, Any], speculators: bool, source: str) -> list[int
     return [int(i) for i in ids]
 
 
-def load_export(export_dir: str | os.PathLike, embed_weight: Tensor) -> Eagle3Drafter:
-    """Read a native or speculators EAGLE-3 export back into an Eagle3Drafter over `embed_weight`.
+def load_export(export_dir: str | os.PathLike, embed_weight: Tensor | None = None) -> Eagle3Drafter:
+    """Read a native or speculators EAGLE-3 export back into an Eagle3Drafter.
 
-    Refuses a corrupted export (missing d2t/t2d, missing or out-of-range aux ids, inconsistent
-    t2d, norm_before_residual true, foreign embed_tokens, wrong tensor set or shapes).
+    A speculators export runs on the embedding it carries (as a loader that does not copy the
+    verifier's would); `embed_weight`, when given, must equal it. A native export has none and
+    runs on `embed_weight`, the target's. Refuses a corrupted export (missing d2t/t2d, missing,
+    out-of-range or unordered aux ids, inconsistent t2d, norm_before_residual true, a missing or
+    foreign embed_tokens, wrong tensor set or shapes).
     """
     export_dir = Path(export_dir)
     source = str(export_dir)
@@ -350,7 +378,8 @@ def load_export(export_dir: str | os.PathLike, embed_weight: Tensor) -> Eagle3Dr
         )
     except KeyError as err:
         raise ExportError(f"{source}: config key {err} is missing") from None
-    if tuple(embed_weight.shape) != (drafter_config.vocab_size, drafter_config.hidden_size):
+    shape = (drafter_config.vocab_size, drafter_config.hidden_size)
+    if embed_weight is not None and tuple(embed_weight.shape) != shape:
         raise ExportError(
             f"{source}: exported for a target with vocab {drafter_config.vocab_size} and hidden size "
             f"{drafter_config.hidden_size}, but the given embedding is {tuple(embed_weight.shape)}"
@@ -358,12 +387,24 @@ def load_export(export_dir: str | os.PathLike, embed_weight: Tensor) -> Eagle3Dr
     tensors = load_file(str(weights_path))
     if speculators:
         tensors = {name.replace("layers.0.", "midlayer.", 1): t for name, t in tensors.items()}
-    embed = tensors.pop("embed_tokens.weight", None)
-    if embed is not None and not torch.equal(
-        embed.to(embed_weight.dtype), embed_weight.detach().cpu()
-    ):
+    embed = tensors.pop(EMBED_KEY, None)
+    if embed is not None and embed_weight is not None:
+        if not torch.equal(embed.to(embed_weight.dtype), embed_weight.detach().cpu()):
+            raise ExportError(
+                f"{source}: holds an embed_tokens that is not the target's; vLLM would serve with it"
+            )
+    if speculators:
+        if embed is None:
+            raise ExportError(
+                f"{source}: {EMBED_KEY} is missing; a speculators export must carry the target's "
+                "embedding (re-export it)"
+            )
+        if tuple(embed.shape) != shape:
+            raise ExportError(f"{source}: {EMBED_KEY} is {tuple(embed.shape)}, expected {shape}")
+        embed_weight = embed
+    elif embed_weight is None:
         raise ExportError(
-            f"{source}: holds an embed_tokens that is not the target's; vLLM would serve with it"
+            f"{source}: a native EAGLE-3 export has no embedding; pass the target's embedding"
         )
     try:
         return build_drafter(drafter_config, embed_weight, tensors, source)

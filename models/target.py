@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from models.drafter import default_aux_layer_ids
+from models.drafter import check_aux_layer_ids, default_aux_layer_ids
 
 # Architectures whose logits are exactly `lm_head(norm(h))` with a plain linear head, so that
 # `logits_from_hidden` reproduces the model's own logits (no soft-capping or logit scaling).
@@ -35,6 +36,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Attention backends that accept a custom 4D mask: sdpa takes it as bool, eager as an additive bias.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+RECORDED_SUMS_FILE = "opd_target.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HASH_CHUNK = 8 << 20
 
 
@@ -341,8 +346,10 @@ def load_target(
 ) -> Target:
     """Load a local HF causal-LM directory (safetensors weights) as a frozen `Target`.
 
-    Checks, before loading any weights: the directory holds an HF config and safetensors weights,
-    its tokenizer (if any) fits the model's vocab, and the aux layer ids are valid.
+    Checks, before loading any weights: the directory holds an HF config and safetensors weights
+    (`model.safetensors`, or the shards its index lists; never a pickle), every weights file has
+    a readable header, the tensors' shapes fit config.json, its tokenizer (if any) fits the
+    model's vocab, and the aux layer ids are valid. The identity hashes exactly the files loaded.
     """
     path = Path(path)
     if not path.is_dir():
@@ -352,12 +359,9 @@ def load_target(
             f"{path} is not a Hugging Face model directory: no config.json (point the target path "
             "at the directory that holds config.json and the *.safetensors weights)"
         )
-    weight_files = sorted(path.glob("*.safetensors"))
-    if not weight_files:
-        raise ValueError(
-            f"{path} has no *.safetensors weights; convert the checkpoint to safetensors "
-            "(pickled .bin checkpoints are never loaded)"
-        )
+    weight_files = _weight_files(path)
+    _check_recorded_sha256(path, weight_files)
+    shapes = _safetensors_shapes(weight_files)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -365,6 +369,7 @@ def load_target(
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     _check_aux_layer_ids(aux_layer_ids, config.num_hidden_layers)
+    _check_shapes(path, config, shapes)
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if len(tokenizer) > config.vocab_size:
@@ -373,30 +378,101 @@ def load_target(
                 f"{config.vocab_size}; ids past the embedding would crash or be silently wrong. "
                 "Use the tokenizer the model was trained with."
             )
-    model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype, device_map=None
-    ).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype, device_map=None, use_safetensors=True
+        ).to(device)
+    except (OSError, RuntimeError, SafetensorError) as err:
+        raise ValueError(f"{path}: the weights do not load ({_one_line(err)})") from None
     identity = {"path": str(path.resolve()), "weights_sha256": _files_sha256(weight_files)}
     return Target(model, aux_layer_ids=aux_layer_ids, identity=identity)
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files transformers loads from `path` with use_safetensors=True."""
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(
+                f"{index} is not a safetensors index ({_one_line(err)}); restore it from the checkpoint"
+            ) from None
+        files = [path / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(
+                f"{path}: weight shards {missing} listed in {SAFETENSORS_INDEX} are missing; "
+                "copy the complete checkpoint"
+            )
+        return files
+    if (path / SAFETENSORS_FILE).is_file():
+        return [path / SAFETENSORS_FILE]
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"{path}: the weights are pickles only ({', '.join(pickles)}), which are never loaded; "
+            f"convert the checkpoint to safetensors ({SAFETENSORS_FILE}, e.g. save_pretrained in "
+            "an environment you trust)"
+        )
+    raise ValueError(
+        f"{path} has no safetensors weights ({SAFETENSORS_FILE} or {SAFETENSORS_INDEX}); "
+        "convert the checkpoint to safetensors (pickled .bin checkpoints are never loaded)"
+    )
+
+
+def _safetensors_shapes(files: Sequence[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Tensor name -> (file, shape) from the headers; a corrupted or truncated file is named."""
+    shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    shapes[name] = (file, tuple(handle.get_slice(name).get_shape()))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(
+                f"{file} is not a readable safetensors file ({_one_line(err)}): it is truncated or "
+                "corrupted; copy or convert it again"
+            ) from None
+    return shapes
+
+
+def _check_shapes(path: Path, config: Any, shapes: dict[str, tuple[Path, tuple[int, ...]]]) -> None:
+    """Refuse weights whose shapes contradict config.json (transformers would re-initialise them)."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    for name, (file, shape) in shapes.items():
+        if name in expected and shape != expected[name]:
+            raise ValueError(
+                f"{path}: tensor {name} in {file.name} is {list(shape)} but config.json "
+                f"(hidden_size {config.hidden_size}, {config.num_hidden_layers} layers) needs "
+                f"{list(expected[name])}; config.json does not belong to these weights: restore "
+                "the checkpoint's own config.json"
+            )
 
 
 def _check_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> tuple[int, int, int]:
     if ids is None:
         ids = default_aux_layer_ids(num_layers)
-        if min(ids) < 0 or max(ids) >= num_layers:
+        try:
+            check_aux_layer_ids(ids, num_layers)
+        except ValueError as err:
             raise ValueError(
-                f"the default aux layer ids {ids} do not fit a {num_layers}-layer target; pass "
-                f"aux_layer_ids explicitly (3 ids in [0, {num_layers - 1}])"
-            )
+                f"the default aux layer ids {list(ids)} do not fit a {num_layers}-layer target "
+                f"({err}); pass aux_layer_ids explicitly"
+            ) from None
         return ids
     ids = tuple(ids)
     if len(ids) != 3 or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
         raise ValueError(f"aux_layer_ids must be 3 integers (low, mid, high), got {ids!r}")
-    if min(ids) < 0 or max(ids) >= num_layers:
-        raise ValueError(
-            f"aux_layer_ids {ids} out of range for a {num_layers}-layer target: each id k names "
-            f"hidden_states[k], the state entering layer k, so k must be in [0, {num_layers - 1}]"
-        )
+    check_aux_layer_ids(ids, num_layers)
     return ids  # type: ignore[return-value]
 
 
@@ -420,10 +496,30 @@ def _attention_window(config: Any) -> int | None:
     return int(window)
 
 
-def _files_sha256(files: Sequence[Path]) -> str:
+def _check_recorded_sha256(path: Path, weight_files: Sequence[Path]) -> None:
+    """Weights whose sha256 the directory records (`opd_target.json`, written by the embedded
+    target's trainer) must match it: a flipped byte still loads, as another model."""
+    meta = path / RECORDED_SUMS_FILE
+    if not meta.is_file():
+        return
+    try:
+        recorded = json.loads(meta.read_text()).get("weights_sha256") or {}
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"{meta} is unreadable ({_one_line(err)}); restore it") from None
+    for file in weight_files:
+        if file.name in recorded and _files_sha256([file], named=False) != recorded[file.name]:
+            raise ValueError(
+                f"{file}: its sha256 differs from the one recorded in {meta.name}, so the file "
+                "is damaged; restore it from its source (the embedded target is in git: "
+                "git checkout -- models/tiny_target/model)"
+            )
+
+
+def _files_sha256(files: Sequence[Path], *, named: bool = True) -> str:
     digest = hashlib.sha256()
     for file in files:
-        digest.update(file.name.encode())
+        if named:
+            digest.update(file.name.encode())
         with open(file, "rb") as handle:
             while chunk := handle.read(_HASH_CHUNK):
                 digest.update(chunk)

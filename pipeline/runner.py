@@ -130,6 +130,8 @@ def run_stage(
             writer.rank_done()
             if writer.ranks_done() != list(range(world_size)):
                 return StageResult(None, False, time.perf_counter() - t0)  # type: ignore[arg-type]
+        if stage.uses_target:
+            meta = {**meta, **ctx.target_loader.record()}
         _check_not_empty(stage, writer, inputs)
         ds = writer.commit(meta=meta)
     seconds = time.perf_counter() - t0

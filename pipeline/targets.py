@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from pydantic import field_validator, model_validator
 
+from models.drafter import check_aux_layer_ids, check_aux_layer_order, default_aux_layer_ids
 from models.target import Target, load_target
 from pipeline.config import StrictConfig
-from storage import OpdError
+from storage import Dataset, OpdError
 
 EMBEDDED_TARGET = Path(__file__).resolve().parent.parent / "models" / "tiny_target" / "model"
 
@@ -35,6 +38,23 @@ class TargetConfig(StrictConfig):
     aux_layer_ids: list[int] | None = None
     """HF hidden_states[k] ids (the state entering layer k); None = EAGLE-3's (2, N//2, N-3)."""
     random: RandomTargetConfig = RandomTargetConfig()
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _aux_ids_in_order(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None:
+            if len(ids) != 3:
+                raise ValueError(f"aux_layer_ids must be 3 ids (low, mid, high), got {ids}")
+            check_aux_layer_order(ids)
+        return ids
+
+    @model_validator(mode="after")
+    def _aux_ids_fit_random_target(self) -> TargetConfig:
+        # only the random target's depth is known before loading
+        if self.path == "random":
+            ids = self.aux_layer_ids or default_aux_layer_ids(self.random.num_layers)
+            check_aux_layer_ids(ids, self.random.num_layers)
+        return self
 
 
 def _build_random(cfg: RandomTargetConfig, vocab_size: int, tokenizer: Any) -> torch.nn.Module:
@@ -105,3 +125,88 @@ class TargetLoader:
         ident = {k: v for k, v in self.target.identity.items() if k != "path"}
         ident["dtype"] = self.cfg.dtype
         return ident
+
+    def record(self) -> dict[str, Any]:
+        """The manifest `meta` entry that lets later commands load this target again."""
+        return {TARGET_RECORD: target_spec(self.cfg)}
+
+
+TARGET_RECORD = "target_config"
+"""Manifest `meta` key: how to load the target a dataset was made with (not part of the version,
+so a moved model directory or checkout keeps its dataset versions)."""
+
+_BUILT_IN = ("embedded", "random")
+
+
+def target_spec(cfg: TargetConfig) -> dict[str, Any]:
+    """`cfg` in the form a manifest records it: a local path made absolute, unused sections dropped."""
+    spec = cfg.model_dump(mode="json")
+    if cfg.path not in _BUILT_IN:
+        resolved = Path(cfg.path).expanduser().resolve()
+        spec["path"] = "embedded" if resolved == EMBEDDED_TARGET else str(resolved)
+    if spec["path"] != "random":
+        spec.pop("random")
+    return spec
+
+
+def _flat(spec: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in spec.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    fa, fb = _flat(a), _flat(b)
+    diff = {
+        k: (fa.get(k), fb.get(k)) for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)
+    }
+    if "path" in diff:  # the random model's settings only matter when both are random
+        diff = {k: v for k, v in diff.items() if not k.startswith("random.")}
+    return diff
+
+
+def _describe(diff: dict[str, tuple[Any, Any]], first: str, second: str) -> str:
+    return "; ".join(
+        f"target.{k}: {a!r} ({first}) vs {b!r} ({second})" for k, (a, b) in diff.items()
+    )
+
+
+def target_for(
+    datasets: Iterable[Dataset], configured: TargetConfig, *, stated: bool
+) -> TargetConfig:
+    """The target a command that reads existing datasets must use: the one they were made with.
+
+    `configured` is the profile's target after --config/--set; `stated` says whether this command
+    named a target itself (a --profile, a --set target.*, a config file's target). Datasets
+    record their target in their manifests (`target_record`); all of them must agree, and a
+    stated target must be the recorded one. A stated target that differs only in `path` wins (a
+    moved or copied model directory): the stages compare the weights hash when they read the
+    datasets. Datasets that record no target leave the choice to `configured`.
+    """
+    recorded = [
+        (str(ds.ref), ds.meta[TARGET_RECORD]) for ds in datasets if TARGET_RECORD in ds.meta
+    ]
+    if not recorded:
+        return configured
+    ref, spec = recorded[0]
+    for other_ref, other in recorded[1:]:
+        diff = _differences(spec, other)
+        if set(diff) - {"path"}:
+            raise OpdError(
+                f"{ref} and {other_ref} were made with different targets "
+                f"({_describe(diff, ref, other_ref)}); pass inputs made with one target"
+            )
+    if not stated:
+        return TargetConfig.model_validate(spec)
+    diff = _differences(spec, target_spec(configured))
+    if set(diff) - {"path"}:
+        raise OpdError(
+            f"{ref} was made with a different target than this command names "
+            f"({_describe(diff, ref, 'this command')}); leave out --profile and --set target.* "
+            "to use the datasets' own target, or re-run their stages with the new target"
+        )
+    return configured

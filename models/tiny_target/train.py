@@ -361,6 +361,11 @@ def export(
         "training": record,
         "torch_version": torch.__version__,
         "command": command,
+        # checked by the target loader: a damaged weights file is an error, not another target
+        "weights_sha256": {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out_dir.glob("*.safetensors"))
+        },
     }
     (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
 

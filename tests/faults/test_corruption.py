@@ -57,12 +57,6 @@ def test_a_corrupted_checkpoint_is_named_and_the_one_before_resumed(reference, t
     assert sums(Store(root).open("sft@latest")) == sums(expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="target loading is being reworked (safetensors only, hashing what it loads): today a "
-    "truncated model.safetensors raises safetensors' own SafetensorError and a flipped byte "
-    "loads as a different target (new weights hash, so new versions) without an error",
-)
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_corrupted_target_weights_file_is_an_error_naming_it(tmp_path, damage):
     target = tmp_path / "target"

@@ -126,7 +126,9 @@ def test_speculators_export_layout_and_round_trip(drafter, tiny_llama, tmp_path)
     expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
         f"layers.0.{n}" for n in LAYER_TENSORS
     }
-    assert set(tensors) == expected
+    # self-contained: the target's embedding travels with the drafter
+    assert set(tensors) == expected | {"embed_tokens.weight"}
+    assert torch.equal(tensors["embed_tokens.weight"], tiny_llama.embed_weight)
     loaded = load_export(tmp_path, tiny_llama.embed_weight)
     assert torch.equal(logits_of(loaded, tiny_llama), logits_of(drafter, tiny_llama))
 
@@ -164,6 +166,7 @@ def corrupt_t2d(drafter, _):
         (None, {"vocab_size": 97}, "draft vocab map: t2d covers 96"),
         (None, {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "rope"),
         (None, {"max_position_embeddings": 4096}, "max positions"),
+        (None, {"model_type": "mistral"}, "refuses 'mistral' targets.*supports llama, qwen"),
     ],
 )
 def test_export_refuses_broken_invariants(
@@ -244,6 +247,25 @@ def flip_t2d(tensors):
             "out of range",
         ),
         (
+            "native",
+            lambda p: edit_config(
+                p, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[3, 2, 1], eagle_config={})
+            ),
+            "strictly increasing",
+        ),
+        (
+            "spec",
+            lambda p: edit_config(
+                p, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 3])
+            ),
+            "strictly increasing",
+        ),
+        (
+            "spec",
+            lambda p: edit_tensors(p, lambda t: t.pop("embed_tokens.weight")),
+            "embed_tokens.weight is missing",
+        ),
+        (
             "spec",
             lambda p: edit_config(p, lambda c: c.pop("norm_before_residual")),
             "would assume true",
@@ -282,3 +304,37 @@ def test_load_export_accepts_the_targets_own_embedding_and_refuses_another_targe
     )
     with pytest.raises(ExportError, match="hidden size 32"):
         load_export(tmp_path, torch.zeros(96, 64))
+
+
+# ----------------------------------------------------------------------------- fresh loads
+
+
+def test_a_fresh_load_of_each_export_gives_the_drafters_step0_logits(drafter, tiny_llama, tmp_path):
+    want = logits_of(drafter, tiny_llama)
+    export_native(drafter, tiny_llama, tmp_path / "native")
+    native = load_export(tmp_path / "native", tiny_llama.embed_weight)
+    assert torch.equal(logits_of(native, tiny_llama), want)
+    with pytest.raises(ExportError, match="native EAGLE-3 export has no embedding"):
+        load_export(tmp_path / "native")
+    # the speculators export runs on its own embedding: no verifier embedding is handed in
+    export_spec(drafter, tiny_llama, tmp_path / "spec")
+    spec = load_export(tmp_path / "spec")
+    assert torch.equal(logits_of(spec, tiny_llama), want)
+
+
+def test_speculators_load_uses_the_embedding_stored_in_the_export(drafter, tiny_llama, tmp_path):
+    export_spec(drafter, tiny_llama, tmp_path)
+    edit_tensors(tmp_path, lambda t: t["embed_tokens.weight"].mul_(2.0))
+    doubled = load_export(tmp_path)
+    assert torch.equal(doubled.embed_tokens.weight, 2.0 * tiny_llama.embed_weight)
+    assert not torch.equal(logits_of(doubled, tiny_llama), logits_of(drafter, tiny_llama))
+    with pytest.raises(ExportError, match="not the target's"):
+        load_export(tmp_path, tiny_llama.embed_weight)
+
+
+@pytest.mark.parametrize("ids", [(5, 1, 3), (3, 3, 5), (0, 2, 4), (1, 3, 6)])
+def test_drafter_config_refuses_unordered_repeated_or_out_of_range_aux_ids(tiny_llama, ids):
+    config = target_dict(tiny_llama, num_hidden_layers=6)
+    with pytest.raises(ValueError, match=r"strictly increasing and >= 1|out of range.*\[1, 6\)"):
+        DrafterConfig.from_target(config, DRAFT_VOCAB, ids)
+    DrafterConfig.from_target(config, DRAFT_VOCAB, (1, 3, 5))

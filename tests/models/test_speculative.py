@@ -161,11 +161,11 @@ def law_case():
         "llama",
         vocab_size=LAW_VOCAB,
         hidden_size=16,
-        num_layers=3,
+        num_layers=4,
         num_heads=2,
         num_kv_heads=1,
         head_scale=1.0,
-        aux_layer_ids=(0, 1, 2),
+        aux_layer_ids=(1, 2, 3),
     )
     counts = torch.tensor([0.0, 5, 5, 0, 5, 5, 5, 5])
     drafter = make_drafter(target, 6, counts=counts, seed=3)
@@ -441,9 +441,10 @@ def test_bad_inputs_are_refused_before_any_work(tiny_llama: Target, monkeypatch)
     other_width = tiny_target("llama", hidden_size=48, num_heads=4)
     with pytest.raises(ValueError, match="drafter hidden size is 48, target's is 32"):
         speculative_generate(tiny_llama, make_drafter(other_width, 64), prompts, SpecConfig(k=2))
-    other_layers = Target.from_model(tiny_llama.model, aux_layer_ids=(0, 1, 2))
-    with pytest.raises(ValueError, match=r"aux layer ids is \(0, 1, 2\), target's is \(1, 2, 3\)"):
-        speculative_generate(tiny_llama, make_drafter(other_layers, 64), prompts, SpecConfig(k=2))
+    five = tiny_target("llama", num_layers=5)
+    other_layers = Target.from_model(five.model, aux_layer_ids=(1, 2, 4))
+    with pytest.raises(ValueError, match=r"aux layer ids is \(1, 2, 4\), target's is \(1, 2, 3\)"):
+        speculative_generate(five, make_drafter(other_layers, 64), prompts, SpecConfig(k=2))
     # same shapes, another model's embedding: loads, runs, accepts nothing; refuse it
     other_seed = tiny_target("llama", seed=1)
     with pytest.raises(ValueError, match="embed_tokens is not the target's embedding"):
@@ -458,7 +459,7 @@ def test_bad_inputs_are_refused_before_any_work(tiny_llama: Target, monkeypatch)
     not (EMBEDDED / "model.safetensors").is_file(), reason="embedded target not trained yet"
 )
 def test_greedy_equals_hf_generate_on_embedded_target():
-    target = load_target(EMBEDDED)
+    target = load_target(EMBEDDED, aux_layer_ids=(1, 3, 5))
     prompts = random_prompts(20, target.vocab_size, seed=7, lengths=(14, 19))
     reference = hf_greedy(target, prompts, 16)
     drafter = make_drafter(target, min(1024, target.vocab_size))

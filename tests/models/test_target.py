@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -64,9 +65,9 @@ def test_attributes_and_default_layer_ids():
 
 
 def test_identity_hash_tracks_weights():
-    a = Target.from_model(tiny_hf_model("llama", seed=0))
-    b = Target.from_model(tiny_hf_model("llama", seed=0))
-    c = Target.from_model(tiny_hf_model("llama", seed=1))
+    a = Target.from_model(tiny_hf_model("llama", seed=0), aux_layer_ids=(1, 2, 3))
+    b = Target.from_model(tiny_hf_model("llama", seed=0), aux_layer_ids=(1, 2, 3))
+    c = Target.from_model(tiny_hf_model("llama", seed=1), aux_layer_ids=(1, 2, 3))
     assert a.identity["weights_sha256"] == b.identity["weights_sha256"]
     assert a.identity["weights_sha256"] != c.identity["weights_sha256"]
 
@@ -204,17 +205,17 @@ def _save_model(
 
 def test_load_target_roundtrip(tmp_path: Path):
     directory = _save_model(tmp_path / "m", tokenizer_size=90)
-    target = load_target(directory, aux_layer_ids=(0, 1, 3))
-    in_process = Target.from_model(tiny_hf_model("llama"), aux_layer_ids=(0, 1, 3))
+    target = load_target(directory, aux_layer_ids=(1, 2, 3))
+    in_process = Target.from_model(tiny_hf_model("llama"), aux_layer_ids=(1, 2, 3))
     ids = _ids(2, 11, 96, 8)
     got, ref = target.forward(ids), in_process.forward(ids)
     torch.testing.assert_close(got.logits, ref.logits)
     torch.testing.assert_close(got.aux_hidden, ref.aux_hidden)
     ident = target.identity
-    assert ident["path"] == str(directory.resolve()) and ident["aux_layer_ids"] == [0, 1, 3]
+    assert ident["path"] == str(directory.resolve()) and ident["aux_layer_ids"] == [1, 2, 3]
     assert len(ident["weights_sha256"]) == 64
     # the identity follows the weights file's content
-    again = load_target(directory, aux_layer_ids=(0, 1, 3))
+    again = load_target(directory, aux_layer_ids=(1, 2, 3))
     assert again.identity["weights_sha256"] == ident["weights_sha256"]
 
 
@@ -227,21 +228,112 @@ def test_load_target_errors(tmp_path: Path):
     no_weights = tmp_path / "noweights"
     no_weights.mkdir()
     (no_weights / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+    with pytest.raises(ValueError, match="has no safetensors weights"):
         load_target(no_weights)
     too_big = _save_model(tmp_path / "tok", vocab_size=96, tokenizer_size=100)
     with pytest.raises(
         ValueError, match="tokenizer has 100 tokens but the model's vocab_size is 96"
     ):
-        load_target(too_big)
+        load_target(too_big, aux_layer_ids=(1, 2, 3))
     good = _save_model(tmp_path / "good")
     with pytest.raises(ValueError, match="aux_layer_ids must be 3 integers"):
-        load_target(good, aux_layer_ids=(0, 1))
-    with pytest.raises(ValueError, match=r"out of range for a 4-layer target.*\[0, 3\]"):
-        load_target(good, aux_layer_ids=(0, 1, 4))
+        load_target(good, aux_layer_ids=(1, 2))
+    with pytest.raises(ValueError, match=r"out of range for a 4-layer target.*\[1, 4\)"):
+        load_target(good, aux_layer_ids=(1, 2, 4))
     # the default ids (2, N//2, N-3) do not fit a 2-layer model: ask for explicit ids
     with pytest.raises(ValueError, match="pass aux_layer_ids explicitly"):
         Target.from_model(tiny_hf_model("llama", num_layers=2))
+
+
+AUX = (1, 2, 3)
+
+
+def _sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_pickled_weights_are_refused_even_beside_an_unrelated_safetensors_file(tmp_path: Path):
+    directory = tmp_path / "bin"
+    directory.mkdir()
+    model = tiny_hf_model("llama")
+    (directory / "config.json").write_text(model.config.to_json_string())
+    # writing a pickle is safe; loading one (what transformers would do here) is not
+    torch.save(model.state_dict(), directory / "pytorch_model.bin")
+    save_file({"scale": torch.ones(3)}, str(directory / "adapter.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"pickles only \(pytorch_model.bin\).*convert the checkpoint to safetensors",
+    ):
+        load_target(directory, aux_layer_ids=AUX)
+
+
+def test_identity_hashes_exactly_the_files_loaded(tmp_path: Path):
+    directory = _save_model(tmp_path / "m")
+    before = load_target(directory, aux_layer_ids=AUX).identity["weights_sha256"]
+    save_file({"scale": torch.ones(3)}, str(directory / "adapter.safetensors"))
+    assert load_target(directory, aux_layer_ids=AUX).identity["weights_sha256"] == before
+
+
+def test_sharded_checkpoint_loads_the_index_shards_and_hashes_them(tmp_path: Path):
+    single = load_target(_save_model(tmp_path / "one"), aux_layer_ids=AUX)
+    directory = tmp_path / "sharded"
+    tiny_hf_model("llama").save_pretrained(directory, max_shard_size="20KB")
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    target = load_target(directory, aux_layer_ids=AUX)
+    ids = _ids(1, 6, 96, 3)
+    assert torch.equal(target.forward(ids).logits, single.forward(ids).logits)
+    ident = target.identity["weights_sha256"]
+    save_file({"scale": torch.ones(3)}, str(directory / "stray.safetensors"))  # not in the index
+    assert load_target(directory, aux_layer_ids=AUX).identity["weights_sha256"] == ident
+    (directory / shards[-1]).unlink()
+    with pytest.raises(ValueError, match=rf"shards \['{shards[-1]}'\] listed in .* are missing"):
+        load_target(directory, aux_layer_ids=AUX)
+
+
+def test_a_config_that_contradicts_the_weights_is_one_line(tmp_path: Path):
+    directory = _save_model(tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    config["hidden_size"] = 64
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json does not belong to these weights") as err:
+        load_target(directory, aux_layer_ids=AUX)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) // 2],  # truncated
+        lambda data: b"\xff" * 8 + data[8:],  # header length garbage
+        lambda data: data[:8] + b"{not json" + data[17:],  # header text garbage
+    ],
+)
+def test_a_corrupted_weights_file_is_named(tmp_path: Path, damage):
+    directory = _save_model(tmp_path / "m")
+    weights = directory / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(
+        ValueError, match="model.safetensors is not a readable safetensors file"
+    ) as err:
+        load_target(directory, aux_layer_ids=AUX)
+    assert "\n" not in str(err.value) and str(weights) in str(err.value)
+
+
+def test_target_config_refuses_unordered_or_repeated_aux_ids():
+    from pipeline.targets import TargetConfig
+
+    for ids in ([5, 1, 3], [3, 3, 5], [0, 2, 4]):
+        with pytest.raises(ValueError, match="strictly increasing and >= 1"):
+            TargetConfig(aux_layer_ids=ids)
+    with pytest.raises(ValueError, match=r"out of range for a 4-layer target"):
+        TargetConfig(path="random", aux_layer_ids=[1, 2, 4])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        TargetConfig(path="random")  # EAGLE-3's default (2, 2, 1) on 4 layers
+    assert TargetConfig(aux_layer_ids=[1, 3, 5]).aux_layer_ids == [1, 3, 5]
 
 
 def test_unsupported_architecture_is_refused():
@@ -256,9 +348,9 @@ def test_unsupported_architecture_is_refused():
     not (EMBEDDED / "model.safetensors").is_file(), reason="embedded target not trained yet"
 )
 def test_embedded_target_loads():
-    target = load_target(EMBEDDED)
+    # EAGLE-3's default (2, N//2, N-3) repeats a layer on 6 layers: the default profile's ids
+    target = load_target(EMBEDDED, aux_layer_ids=(1, 3, 5))
     assert target.num_layers >= 6
-    assert target.aux_layer_ids == default_aux_layer_ids(target.num_layers)
     ids = _ids(1, 16, target.vocab_size, 9)
     out = target.forward(ids)
     assert torch.isfinite(out.logits).all()

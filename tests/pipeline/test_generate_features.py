@@ -88,7 +88,7 @@ def test_features_cache_matches_a_fresh_forward(tiny):
 def test_features_refuse_trajectories_of_another_target(tiny):
     store, ctx, cfg, prompts = tiny
     traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
-    other = TargetLoader(TargetConfig(path="random", random={"seed": 1}))
+    other = TargetLoader(TargetConfig(path="random", random={"seed": 1}, aux_layer_ids=[1, 2, 3]))
     from pipeline.runner import RunContext
 
     ctx2 = RunContext(store=store, target_loader=other, progress=False)

@@ -180,7 +180,7 @@ def test_more_features_are_trained_on_and_must_share_the_vocab_map(tiny_features
 
 def test_sft_refuses_features_of_another_target(tiny_features):
     store, _, feats = tiny_features
-    other = TargetLoader(TargetConfig(path="random", random={"seed": 1}))
+    other = TargetLoader(TargetConfig(path="random", random={"seed": 1}, aux_layer_ids=[1, 2, 3]))
     ctx2 = RunContext(store=store, target_loader=other, progress=False)
     complete = lambda: [r["version"] for r in store.listing() if r["complete"]]  # noqa: E731
     before = complete()

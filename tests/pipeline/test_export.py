@@ -1,0 +1,257 @@
+"""`opd export` and the commands that read existing datasets, on a target in a local directory.
+
+The drafter is trained (tiny settings) for a random target saved as an HF directory, so the
+target's own files exist to be protected, and its path is what the datasets record.
+"""
+
+import hashlib
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from pipeline import features, generate, sft
+from pipeline.export import default_verifier
+from pipeline.profiles import load_config
+from pipeline.runner import RunContext, run_stage
+from pipeline.targets import EMBEDDED_TARGET, TargetConfig, TargetLoader, target_for, target_spec
+from storage import OpdError, Store
+from tests.pipeline.conftest import write_prompts
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(root, target dir, sft ref): an sft drafter for a target loaded from a local directory."""
+    base = tmp_path_factory.mktemp("export")
+    cfg = load_config("tiny")
+    target_dir = base / "models" / "tiny-coder"
+    TargetLoader(cfg.target).target.model.save_pretrained(target_dir)
+    for name in TOKENIZER_FILES:
+        shutil.copy(EMBEDDED_TARGET / name, target_dir / name)
+    loader = TargetLoader(TargetConfig(path=str(target_dir), aux_layer_ids=[1, 2, 3]))
+    store = Store(base / "data")
+    ctx = RunContext(store=store, target_loader=loader, progress=False)
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": write_prompts(store)}, ctx).dataset
+    feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
+    drafter = run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
+    return store.root, target_dir, str(drafter.ref)
+
+
+def opd(root, *args):
+    return CliRunner().invoke(cli, ["--root", str(root), *args])
+
+
+def named(target_dir):
+    """The target stated on the command line (independent of what the datasets record)."""
+    return ["--set", f"target.path={target_dir}", "--set", "target.aux_layer_ids=[1,2,3]"]
+
+
+def one_line_error(result, message):
+    assert result.exit_code == 2, result.output
+    # transformers' weight-loading progress bar may precede the error
+    lines = [line for line in result.output.strip().splitlines() if "Loading weights" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert message in lines[0], result.output
+
+
+# ----------------------------------------------------------------------------- where --out may be
+
+
+def test_export_refuses_a_non_empty_out_and_keeps_its_files(trained, tmp_path):
+    root, target_dir, ref = trained
+    copy = tmp_path / "copy-of-target"
+    shutil.copytree(target_dir, copy)
+    weights = _sha(copy / "model.safetensors")
+    one_line_error(
+        opd(root, "export", *named(target_dir), "--drafter", ref, "--out", str(copy)),
+        "is not empty",
+    )
+    assert _sha(copy / "model.safetensors") == weights
+    assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in target_dir.iterdir())
+
+
+def test_export_never_writes_into_the_targets_directory(trained):
+    root, target_dir, ref = trained
+    weights = _sha(target_dir / "model.safetensors")
+    for out in (target_dir, target_dir.parent, root):
+        r = opd(
+            root, "export", *named(target_dir), "--drafter", ref, "--out", str(out), "--overwrite"
+        )
+        one_line_error(r, "refused even with --overwrite")
+    assert _sha(target_dir / "model.safetensors") == weights
+
+
+def test_export_overwrite_replaces_the_directory_whole(trained, tmp_path):
+    root, target_dir, ref = trained
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an older export")
+    # a failing export (not a drafter) leaves the existing directory as it was
+    one_line_error(
+        opd(
+            root,
+            "export",
+            *named(target_dir),
+            "--drafter",
+            "features@latest",
+            "--out",
+            str(out),
+            "--overwrite",
+        ),
+        "is not a drafter",
+    )
+    assert [p.name for p in out.iterdir()] == ["stale.txt"]
+    r = opd(root, "export", *named(target_dir), "--drafter", ref, "--out", str(out), "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["drafter"]  # no staging leftovers
+
+
+def test_export_out_naming_a_file_and_bad_k_are_one_line_errors(trained, tmp_path):
+    root, target_dir, ref = trained
+    file = tmp_path / "drafter.json"
+    file.write_text("{}")
+    one_line_error(
+        opd(root, "export", *named(target_dir), "--drafter", ref, "--out", str(file)), "is a file"
+    )
+    assert file.read_text() == "{}"
+    for k in ("0", "-2"):
+        r = opd(
+            root,
+            "export",
+            *named(target_dir),
+            "--drafter",
+            ref,
+            "--out",
+            str(tmp_path / "d"),
+            "--k",
+            k,
+        )
+        one_line_error(r, "--k must be >= 1")
+    assert not (tmp_path / "d").exists()
+
+
+# ----------------------------------------------------------------------------- the verifier's name
+
+
+def test_speculators_verifier_is_named_by_the_user_or_falls_back_with_a_warning(trained, tmp_path):
+    root, target_dir, ref = trained
+    out = tmp_path / "spec"
+    r = opd(
+        root,
+        "export",
+        *named(target_dir),
+        "--drafter",
+        ref,
+        "--format",
+        "speculators",
+        "--out",
+        str(out),
+    )
+    assert r.exit_code == 0, r.output
+    assert "warning: the speculators config names the verifier by this machine's path" in r.output
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(target_dir.resolve())
+    r = opd(
+        root, "export", *named(target_dir), "--drafter", ref, "--format", "speculators",
+        "--out", str(out),
+        "--overwrite", "--verifier", "acme/tiny-coder",
+    )  # fmt: skip
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == "acme/tiny-coder"
+
+
+def test_default_verifier_is_the_hub_name_the_targets_config_records(tmp_path):
+    target = tmp_path / "m"
+    target.mkdir()
+    config = {"model_type": "llama", "_name_or_path": "acme/tiny-coder"}
+    (target / "config.json").write_text(json.dumps(config))
+    assert default_verifier(TargetLoader(TargetConfig(path=str(target)))) == (
+        "acme/tiny-coder",
+        None,
+    )
+    (target / "config.json").write_text(json.dumps(config | {"_name_or_path": "/train/m"}))
+    name, warning = default_verifier(TargetLoader(TargetConfig(path=str(target))))
+    assert name == str(target.resolve()) and "pass --verifier" in warning
+
+
+# ----------------------------------------------------------------------------- target from the data
+
+
+def test_export_takes_the_target_its_drafter_was_made_with(trained, tmp_path):
+    root, target_dir, ref = trained
+    r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"))
+    assert r.exit_code == 0, r.output
+    assert f"vllm serve {target_dir.resolve()}" in r.output
+    # restating the same target is fine; so is a copy of it elsewhere (the weights are compared)
+    r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "b"),
+            "--set", f"target.path={target_dir}", "--set", "target.aux_layer_ids=[1,2,3]")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    moved = tmp_path / "moved"
+    shutil.copytree(target_dir, moved)
+    r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "c"),
+            "--set", f"target.path={moved}", "--set", "target.aux_layer_ids=[1,2,3]")  # fmt: skip
+    assert r.exit_code == 0 and f"vllm serve {moved}" in r.output, r.output
+
+
+def test_a_conflicting_explicit_target_is_an_error_naming_both(trained, tmp_path):
+    root, target_dir, ref = trained
+    r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"), "--profile", "default")
+    one_line_error(r, "made with a different target than this command names")
+    assert f"target.path: '{target_dir.resolve()}' ({ref}) vs 'embedded' (this command)" in r.output
+    r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"),
+            "--set", "target.dtype=bfloat16")  # fmt: skip
+    one_line_error(r, "target.dtype: 'float32'")
+    assert not (tmp_path / "a").exists()
+
+
+def test_eval_and_analyze_use_the_datasets_target_without_restating_it(trained):
+    root, _, ref = trained
+    r = opd(root, "eval", "--drafter", ref, "--set", "evaluate.max_new_tokens=6", "--json")
+    assert r.exit_code == 0, r.output
+    r = opd(root, "analyze", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["report"].startswith("report@")
+
+
+def test_a_single_stage_run_takes_the_target_of_its_inputs(trained):
+    root, target_dir, _ = trained
+    r = opd(root, "run", "features", "--no-progress", "--set", "features.draft_vocab_size=256")
+    assert r.exit_code == 0, r.output
+    recorded = Store(root).open("features@latest").meta["target_config"]
+    assert recorded == {
+        "path": str(target_dir.resolve()),
+        "dtype": "float32",
+        "aux_layer_ids": [1, 2, 3],
+    }
+
+
+def _recorded(store, name, spec):
+    w = store.writer(name, stage=name, stage_version="1", config={"spec": spec})
+    with w:
+        return w.commit(meta={} if spec is None else {"target_config": spec})
+
+
+def test_target_for_rules(tmp_path):
+    store = Store(tmp_path)
+    tiny = load_config("tiny").target
+    random = _recorded(store, "trajectories", target_spec(tiny))
+    embedded = _recorded(store, "features", target_spec(TargetConfig(aux_layer_ids=[1, 3, 5])))
+    unrecorded = _recorded(store, "prompts", None)
+    default = load_config("default").target
+    assert target_for([unrecorded], default, stated=False) == default
+    assert target_for([unrecorded, random], default, stated=False) == tiny
+    assert target_for([random], tiny, stated=True) == tiny
+    with pytest.raises(OpdError, match="were made with different targets.*target.path: 'random'"):
+        target_for([random, embedded], default, stated=False)
+    # the embedded model named by its directory is the embedded target
+    assert target_spec(TargetConfig(path=str(EMBEDDED_TARGET)))["path"] == "embedded"
