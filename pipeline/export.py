@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from models.export import ExportError, export_eagle3, export_speculators, load_export
+from models.export import CONFIG_FILE, ExportError, export_eagle3, export_speculators, load_export
 from pipeline.drafters import load_drafter_dataset
 from pipeline.targets import EMBEDDED_TARGET, TargetLoader
 from storage import Dataset, OpdError
@@ -110,3 +110,14 @@ def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int)
     info = export_drafter(last, loader, "eagle3", base / "eagle3", k)
     export_drafter(last, loader, "speculators", base / "speculators", k)
     return info
+
+
+def ensure_export(
+    drafter_ds: Dataset, loader: TargetLoader, root: Path, fmt: Format = "eagle3"
+) -> Path:
+    """The drafter's export under <root>/_exports/<NAME-VERSION>/<fmt> (the full chain's place),
+    written now unless a complete one is there (its config.json is written last)."""
+    path = root / "_exports" / str(drafter_ds.ref).replace("@", "-") / fmt
+    if not (path / CONFIG_FILE).exists():
+        export_drafter(drafter_ds, loader, fmt, path)
+    return path

@@ -57,6 +57,8 @@ def output_version_config(module: ModuleType, cfg: StrictConfig, ctx: RunContext
             out |= module.version_extra(cfg)
         except ValueError as e:
             raise OpdError(str(e)) from None
+    if hasattr(module, "resolved_engine"):  # `auto` means different engines on different machines
+        out["engine"] = module.resolved_engine(cfg, ctx)
     if getattr(module, "USES_TARGET", False):
         if ctx.target_loader is None:
             raise OpdError(f"stage {module.STAGE} needs a target but none is configured")
