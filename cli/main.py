@@ -329,6 +329,12 @@ def _loader(cfg, profile: str | None, sets: tuple[str, ...], datasets=()):
     default=None,
     help="Sampling temperature [profile: evaluate.temperature].",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["hf", "vllm"]),
+    default=None,
+    help="vllm: also run the drafter's export inside vLLM (tau_vllm) [profile: evaluate.backend].",
+)
 @click.option("--profile", default=None, help=_PROFILE_HELP)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--force", is_flag=True, help="Re-measure even if this evaluation exists.")
@@ -340,6 +346,7 @@ def eval_cmd(
     prompts_ref: str,
     k: int | None,
     temperature: float | None,
+    backend: str | None,
     profile: str | None,
     sets: tuple[str, ...],
     force: bool,
@@ -350,6 +357,7 @@ def eval_cmd(
     from pipeline.runner import RunContext, run_stage
 
     extra = (f"evaluate.temperature={temperature}",) if temperature is not None else ()
+    extra += (f"evaluate.backend={backend}",) if backend is not None else ()
     cfg = _config(profile, sets + extra, k)
     inputs = {"prompts": store.open(prompts_ref), "drafter": store.open(drafter_ref)}
     cfg, loader = _loader(cfg, profile, sets, inputs.values())
@@ -371,6 +379,10 @@ def eval_cmd(
                 f"  an untrained drafter on the same prompts: tau {stats['tau_untrained']:.3f}"
             )
         click.echo(f"  target forwards per token {stats['target_forwards_per_token']:.4f}")
+        if "tau_vllm" in stats:
+            click.echo(f"  inside vLLM: tau {stats['tau_vllm']:.3f}")
+        if "tau_vllm_note" in stats:
+            click.echo(f"  note: {stats['tau_vllm_note']}")
         if "speedup" in stats:
             click.echo(
                 f"  {stats['tokens_per_s']:.1f} tok/s vs {stats['baseline_tokens_per_s']:.1f} plain ({stats['speedup']:.2f}x)"

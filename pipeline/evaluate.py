@@ -9,6 +9,11 @@ numbers: τ (mean of accepted + 1 per verify step, the EAGLE/vLLM convention), �
 speculative decoding against plain target decoding timed in the same run on the same prompts.
 At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`).
 
+With `backend=vllm` the drafter's export also runs inside vLLM on the same prompts, K and
+temperature, adding `tau_vllm` (from vLLM's spec-decode counters) and, at T=0, `vllm_lossless`
+and `vllm_matches_project` (see models/vllm_engine.measure_speculation); τ, α and the logs stay
+the project decoder's, which records every draft.
+
 Not resumable mid-way (one pass); wall-clock numbers vary between runs, so re-running a
 version is skipped unless forced.
 """
@@ -23,6 +28,7 @@ import polars as pl
 import torch
 from pydantic import Field
 
+from models import vllm_engine
 from models.drafter import Eagle3Drafter
 from models.speculative import SpecConfig, speculative_generate, target_generate
 from pipeline.config import StrictConfig, runtime_field
@@ -46,6 +52,8 @@ class Config(StrictConfig):
     finish faster on CPU but hide the per-sequence speed-up."""
     seed: int = 0
     measure_baseline: bool = runtime_field(True, "time plain target decoding for the speed-up")
+    backend: Literal["hf", "vllm"] = "hf"
+    """`vllm`: also measure the exported drafter inside vLLM (needs the `vllm` extra)."""
     untrained_contrast: bool = True
     """Also measure a freshly initialised drafter (same config and vocab map) on the same
     prompts, so τ is read against what training bought."""
@@ -87,6 +95,7 @@ def evaluate(
     )
     records: dict[str, list] = {}
     steps: dict[str, list] = {}
+    sequences: list[list[int]] = []
     spec_tokens = base_tokens = 0
     spec_s = base_s = 0.0
     target_fwd = drafter_fwd = 0
@@ -98,6 +107,7 @@ def evaluate(
         res = speculative_generate(target, drafter, batch, spec_cfg)
         spec_s += time.perf_counter() - t0
         spec_tokens += sum(len(s) for s in res.sequences)
+        sequences += res.sequences
         target_fwd += res.stats["verify_steps"]
         target_s += res.stats["target_forward_seconds"]
         drafter_s += res.stats["drafter_forward_seconds"]
@@ -148,7 +158,51 @@ def evaluate(
             # Batched and single-row float math can order two near-equal logits differently; the
             # target's top-2 gap at each first divergence tells such a tie from a real bug.
             stats["t0_mismatches"] = mismatches
-    return {"steps": step_df, "drafts": draft_df, "stats": stats}
+    return {"steps": step_df, "drafts": draft_df, "stats": stats, "sequences": sequences}
+
+
+# vLLM and this project decode the same way at T=0; past this relative gap τ is worth a look.
+TAU_VLLM_TOLERANCE = 0.10
+
+
+def vllm_stats(
+    cfg: Config, drafter: Dataset, ctx: RunContext, prompts: list[list[int]], out: dict
+) -> dict:
+    """The drafter's export run inside vLLM (see `Config.backend`), with a note when its τ
+    differs from the project decoder's by more than TAU_VLLM_TOLERANCE."""
+    from pipeline.export import ensure_export
+
+    loader = ctx.target_loader
+    if loader.directory is None:
+        raise OpdError(
+            "evaluate.backend=vllm needs a target directory; target.path=random is not one"
+        )
+    try:
+        stats = vllm_engine.measure_speculation(
+            vllm_engine.EngineSpec(str(loader.directory), loader.cfg.dtype, seed=cfg.seed),
+            str(ensure_export(drafter, loader, ctx.store.root, cfg.k)),
+            cfg.k,
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            stop_ids=loader.target.eos_token_ids,
+            reference=out["sequences"],
+        )
+    except vllm_engine.VllmError as e:
+        raise OpdError(f"evaluate.backend=vllm: {e}") from None
+    gap = stats["tau_vllm"] / out["stats"]["tau"] - 1
+    if abs(gap) > TAU_VLLM_TOLERANCE:
+        why = (
+            "vLLM drafts greedily and accepts a draft with the target's probability of it, where "
+            "this project samples drafts at the temperature"
+            if cfg.temperature > 0
+            else "not expected at T=0 (same drafter, prompts and K): check vllm_lossless"
+        )
+        stats["tau_vllm_note"] = (
+            f"tau_vllm differs from tau by {gap:+.1%}: {why} (README: tau inside vLLM)"
+        )
+    return stats
 
 
 def run(
@@ -166,6 +220,8 @@ def run(
     prompts = _prompt_ids(inputs["prompts"], cfg)
     torch.manual_seed(cfg.seed)
     out = evaluate(target, drafter, prompts, cfg, progress=ctx.progress)
+    if cfg.backend == "vllm":
+        out["stats"] |= vllm_stats(cfg, inputs["drafter"], ctx, prompts, out)
     if cfg.untrained_contrast:
         torch.manual_seed(cfg.seed)
         untrained = Eagle3Drafter(drafter.config, target.embed_weight, drafter.vocab).eval()

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from models.export import ExportError, export_eagle3, export_speculators, load_export
+from models.export import CONFIG_FILE, ExportError, export_eagle3, export_speculators, load_export
 from pipeline.drafters import load_drafter_dataset
 from pipeline.targets import EMBEDDED_TARGET, TargetLoader
 from storage import Dataset, OpdError
@@ -137,7 +137,7 @@ def export_drafter(
     loader: TargetLoader,
     fmt: Format,
     out: Path,
-    k: int = 6,
+    k: int,
     *,
     overwrite: bool = False,
     verifier: str | None = None,
@@ -211,3 +211,14 @@ def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int)
     info = export_drafter(last, loader, "eagle3", base / "eagle3", k, overwrite=True)
     export_drafter(last, loader, "speculators", base / "speculators", k, overwrite=True)
     return info
+
+
+def ensure_export(
+    drafter_ds: Dataset, loader: TargetLoader, root: Path, k: int, fmt: Format = "eagle3"
+) -> Path:
+    """The drafter's export under <root>/_exports/<NAME-VERSION>/<fmt> (the full chain's place),
+    written now unless a complete one is there (its config.json is written last)."""
+    path = root / "_exports" / str(drafter_ds.ref).replace("@", "-") / fmt
+    if not (path / CONFIG_FILE).exists():
+        export_drafter(drafter_ds, loader, fmt, path, k)
+    return path

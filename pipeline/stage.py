@@ -55,6 +55,9 @@ class Stage:
     set `drafting.k` once; each stage's version holds only the K-values it uses."""
     version_extra: Callable[[Any], dict] | None = None
     """Extra data hashed into the version (e.g. a source file's content hash)."""
+    engine: Callable[[Any, Any], str] | None = None
+    """engine(cfg, ctx): what a `backend: auto` setting resolves to on this machine; it is
+    hashed into the version, since different engines write different (equally valid) tokens."""
 
     def input_kinds(self, role: str) -> tuple[str, ...] | None:
         """The dataset names `role` accepts; None if the stage has no such role."""

@@ -89,6 +89,13 @@ class TargetLoader:
     def __init__(self, cfg: TargetConfig):
         self.cfg = cfg
 
+    @property
+    def directory(self) -> Path | None:
+        """The target's model directory, for engines that load it themselves (None: `random`)."""
+        if self.cfg.path == "random":
+            return None
+        return EMBEDDED_TARGET if self.cfg.path == "embedded" else Path(self.cfg.path).resolve()
+
     @cached_property
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer

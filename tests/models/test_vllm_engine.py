@@ -1,0 +1,49 @@
+"""models/vllm_engine.py's own logic, without starting an engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from models.vllm_engine import (
+    EngineSpec,
+    SpecCounters,
+    _request_counters,
+    _root_cause,
+    _start_failure,
+)
+
+
+def test_counters_come_from_each_requests_acceptance_histogram():
+    # 4 verify steps: 0, 2, 2 and 6 drafts accepted (K=6)
+    metrics = SimpleNamespace(histogram=[1, 0, 2, 0, 0, 0, 1], num_draft_tokens=24)
+    one = _request_counters(metrics, 6)
+    assert one == SpecCounters(4, 24, 10, (3, 3, 1, 1, 1, 1))
+    assert one.tau == 3.5
+    assert one + _request_counters(None, 6) == one
+
+
+CHILD_LOG = """\
+(EngineCore pid=7) ERROR 11-23 02:00:01 [core.py:1100] EngineCore failed to start.
+(EngineCore pid=7) ERROR 11-23 02:00:01 [core.py:1100] Traceback (most recent call last):
+(EngineCore pid=7) ERROR 11-23 02:00:01 [core.py:1100]   File "core.py", line 1, in run
+(EngineCore pid=7) ERROR 11-23 02:00:01 [core.py:1100] ValueError: To serve at least one request \
+with the models's max seq len (1000000), (11.44 GiB KV cache is needed, which is larger than the \
+available KV cache memory (1.0 GiB).
+"""
+
+
+def test_a_start_failure_in_the_engine_process_is_quoted_from_its_log():
+    tail = CHILD_LOG.splitlines()
+    assert _root_cause(tail).startswith("ValueError: To serve at least one request")
+    err = RuntimeError(
+        "Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    )
+    msg = str(_start_failure(EngineSpec("/m"), err, tail))
+    assert "VLLM_CPU_KVCACHE_SPACE" in msg and "11.44 GiB" in msg and "\n" not in msg
+
+
+def test_a_refusal_names_the_drafter_export():
+    err = ValueError("Model architectures ['X'] are not supported\nfor now.")
+    msg = str(_start_failure(EngineSpec("/m", drafter="/exports/d"), err, []))
+    assert msg.startswith("vLLM refused the drafter export /exports/d: ValueError: Model")
+    assert "\n" not in msg

@@ -1,0 +1,79 @@
+"""The vLLM backend's plumbing without vLLM's engine: what `auto` resolves to, the version, and
+the one-line errors when vLLM cannot serve (tests/vllm runs the engine itself)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pipeline import generate
+from pipeline.runner import planned_ref, run_stage
+from pipeline.targets import EMBEDDED_TARGET, TargetConfig, TargetLoader
+from storage import OpdError
+
+
+def test_auto_uses_hf_for_an_in_process_target_and_the_engine_enters_the_version(tiny):
+    store, ctx, cfg, prompts = tiny
+    auto = cfg.generate
+    assert generate.resolved_engine(auto, ctx) == "hf"
+    hf = auto.model_copy(update={"backend": "hf"})
+    vllm = auto.model_copy(update={"backend": "vllm"})
+    inputs = {"prompts": prompts}
+    assert planned_ref(generate.STAGE, auto, inputs, ctx) == planned_ref(
+        generate.STAGE, hf, inputs, ctx
+    )
+    assert planned_ref(generate.STAGE, vllm, inputs, ctx) != planned_ref(
+        generate.STAGE, hf, inputs, ctx
+    )
+
+
+def test_vllm_backend_refuses_an_in_process_target(tiny):
+    store, ctx, cfg, prompts = tiny
+    vllm = cfg.generate.model_copy(update={"backend": "vllm"})
+    with pytest.raises(OpdError, match="needs a target directory"):
+        run_stage(generate.STAGE, vllm, {"prompts": prompts}, ctx)
+    assert not any(r["complete"] for r in store.listing("trajectories"))
+
+
+def test_without_vllm_installed_the_error_names_make_vllm(tiny, monkeypatch):
+    store, _, cfg, prompts = tiny
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` meets when it is absent
+    ctx = type(tiny[1])(
+        store=store,
+        target_loader=TargetLoader(TargetConfig(aux_layer_ids=[1, 3, 5])),
+        progress=False,
+    )
+    assert generate.resolved_engine(cfg.generate, ctx) == "hf"
+    vllm = cfg.generate.model_copy(update={"backend": "vllm"})
+    with pytest.raises(OpdError) as err:
+        run_stage(generate.STAGE, vllm, {"prompts": prompts}, ctx)
+    msg = str(err.value)
+    assert "make vllm" in msg and "\n" not in msg
+    assert not any(r["complete"] for r in store.listing("trajectories"))
+
+
+@pytest.mark.vllm
+def test_a_target_vllm_cannot_run_resolves_to_hf_and_an_explicit_vllm_says_why(tiny, tmp_path):
+    from models import vllm_engine
+
+    if (reason := vllm_engine.unavailable_reason()) is not None:
+        pytest.skip(reason)
+    if vllm_engine.device() != "cpu":
+        pytest.skip("the head-size limit is the CPU build's")
+    store, ctx, cfg, prompts = tiny
+    # the tiny random target has head_dim 16, which vLLM's CPU attention does not run
+    model_dir = tmp_path / "tiny-model"
+    ctx.target_loader.target.model.save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).write_bytes((EMBEDDED_TARGET / name).read_bytes())
+    local = type(ctx)(
+        store=store,
+        target_loader=TargetLoader(TargetConfig(path=str(model_dir), aux_layer_ids=[1, 2, 3])),
+        progress=False,
+    )
+    assert generate.resolved_engine(cfg.generate, local) == "hf"
+    vllm = cfg.generate.model_copy(update={"backend": "vllm"})
+    with pytest.raises(OpdError, match=r"head sizes \[.*\]; .* has 16 \(use the hf backend"):
+        run_stage(generate.STAGE, vllm, {"prompts": prompts}, local)
+    assert not any(r["complete"] for r in store.listing("trajectories"))

@@ -1,0 +1,147 @@
+"""vLLM's engine (the CPU build from `make vllm`) against the project's own decoding."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from models import vllm_engine
+from pipeline import generate
+from pipeline.evaluate import divergence
+from pipeline.export import ensure_export
+from pipeline.runner import run_stage
+from tests.vllm.conftest import SETS, UNAVAILABLE, Embedded, K
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE)),
+]
+
+
+def _hf_greedy(embedded: Embedded, prompts: list[list[int]], max_new_tokens: int, eos=None):
+    target = embedded.target
+    cfg = generate.Config(max_new_tokens=max_new_tokens, backend="hf")
+    pad = embedded.ctx.target_loader.tokenizer.pad_token_id
+    eos = target.eos_token_ids if eos is None else eos
+    out: list[tuple[list[int], str]] = []
+    for b in range(0, len(prompts), 16):
+        resp, why = generate.generate_batch(target.model, pad, eos, prompts[b : b + 16], cfg)
+        out += list(zip(resp, why, strict=True))
+    return out
+
+
+def test_vllm_and_hf_greedy_agree_on_heldout_prompts(embedded: Embedded):
+    prompts = embedded.heldout()
+    n = embedded.cfg.evaluate.max_new_tokens
+    hf = _hf_greedy(embedded, prompts, n)
+    ours = vllm_engine.generate(
+        embedded.plain, prompts, max_new_tokens=n, stop_ids=embedded.target.eos_token_ids
+    )
+    differ = [i for i, (a, b) in enumerate(zip(ours, hf, strict=True)) if a != b]
+    for i in differ:  # shown with -rA / on failure: where they split and how close the call was
+        gap = divergence(embedded.target, prompts[i], ours[i][0], hf[i][0])
+        print(
+            f"prompt {i}: first difference at token {gap['position']}, top-2 logit gap "
+            f"{gap['top2_logit_gap']:.4f}"
+        )
+    agree = 1 - len(differ) / len(prompts)
+    print(f"vLLM == HF greedy on {len(prompts) - len(differ)}/{len(prompts)} held-out prompts")
+    assert agree >= 0.9
+
+
+def test_a_stop_id_ends_and_closes_the_response_like_hf(embedded: Embedded):
+    prompts = embedded.heldout()[:8]
+    first = _hf_greedy(embedded, prompts[:1], 8)[0][0]
+    stop = (first[3],)  # a token the target does emit, so at least one response stops on it
+    hf = _hf_greedy(embedded, prompts, 32, eos=stop)
+    ours = vllm_engine.generate(embedded.plain, prompts, max_new_tokens=32, stop_ids=stop)
+    assert ours[0] == hf[0] == (first[:4], "eos")
+    assert sum(a == b for a, b in zip(ours, hf, strict=True)) >= 7
+
+
+def test_generate_stage_on_vllm_runs_in_a_prefect_flow_and_writes_the_hf_schema(
+    embedded: Embedded, generated
+):
+    assert generated.manifest["config"]["engine"] == "vllm"
+    hf_cfg = embedded.cfg.generate.model_copy(update={"backend": "hf", "max_prompts": 8})
+    hf = run_stage(generate.STAGE, hf_cfg, {"prompts": embedded.prompts}, embedded.ctx).dataset
+    assert hf.manifest["config"]["engine"] == "hf"
+    ours = generated.scan().head(8).collect()
+    theirs = hf.scan().collect()
+    assert ours.schema == theirs.schema
+    same_cols = ["seq_id", "prompt_id", "prompt_len", "temperature", "top_p", "seed"]
+    assert ours.select(same_cols).equals(theirs.select(same_cols))
+    rows = zip(ours["input_ids"].to_list(), theirs["input_ids"].to_list(), strict=True)
+    assert sum(a == b for a, b in rows) >= 7
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_both_export_formats_load_and_speculate_losslessly(
+    embedded: Embedded, drafter, eagle3_export, fmt
+):
+    path = ensure_export(drafter, embedded.ctx.target_loader, embedded.store.root, K, fmt)
+    stats = vllm_engine.measure_speculation(
+        embedded.plain,
+        str(path),
+        K,
+        embedded.heldout(),
+        max_new_tokens=embedded.cfg.evaluate.max_new_tokens,
+        temperature=0.0,
+        seed=0,
+        stop_ids=embedded.target.eos_token_ids,
+    )
+    print(f"{fmt}: {json.dumps(stats)}")
+    assert stats["vllm_drafts"] > 0 and stats["tau_vllm"] > 1.2
+    assert stats["vllm_lossless"] == 1.0
+
+
+def test_opd_eval_backend_vllm_prints_tau_beside_tau_vllm(
+    embedded: Embedded, drafter, eagle3_export
+):
+    sets = [a for s in SETS for a in ("--set", s)]
+    args = ["--root", str(embedded.store.root), "eval", "--drafter", str(drafter.ref)]
+    args += ["--k", str(K), "--temperature", "0", "--backend", "vllm", "--json", *sets]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    stats = json.loads(res.stdout)
+    print(
+        json.dumps(
+            {k: stats[k] for k in ("tau", "tau_vllm", "vllm_lossless", "vllm_matches_project")}
+        )
+    )
+    assert stats["vllm_lossless"] == 1.0
+    assert stats["vllm_matches_project"] >= 0.9
+    assert abs(stats["tau_vllm"] / stats["tau"] - 1) <= 0.10
+    assert "tau_vllm_note" not in stats
+
+
+def test_a_drafter_vllm_refuses_is_one_line_with_its_reason_and_path(
+    embedded: Embedded, eagle3_export, tmp_path
+):
+    bad = tmp_path / "refused"
+    shutil.copytree(eagle3_export, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["architectures"] = ["NoSuchEagleDrafter"]
+    (bad / "config.json").write_text(json.dumps(config))
+    spec = vllm_engine.EngineSpec(embedded.plain.model, embedded.plain.dtype, str(bad), K)
+    with pytest.raises(vllm_engine.VllmError) as err:
+        vllm_engine.engine(spec)
+    msg = str(err.value)
+    assert "\n" not in msg and str(bad) in msg and "NoSuchEagleDrafter" in msg, msg
+
+
+def test_an_engine_without_room_for_its_kv_cache_names_the_setting(embedded: Embedded, tmp_path):
+    # A context this long needs ~12 GB of fp32 KV cache for one request; the default space is 1 GiB.
+    model = tmp_path / "long-context-target"
+    shutil.copytree(embedded.plain.model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 1_000_000
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(vllm_engine.VllmError) as err:
+        vllm_engine.engine(vllm_engine.EngineSpec(str(model)))
+    msg = str(err.value)
+    assert "\n" not in msg and "VLLM_CPU_KVCACHE_SPACE" in msg, msg
