@@ -52,48 +52,57 @@ def make_trajectories(store: Store, n: int, length: int, vocab: int) -> object:
         return w.commit()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sequences", type=int, default=64)
-    ap.add_argument("--len", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--target", default="embedded")
-    args = ap.parse_args()
-    loader = TargetLoader(TargetConfig(path=args.target, aux_layer_ids=[1, 3, 5]))
+def measure(sequences: int, length: int, repeats: int, target_cfg: TargetConfig) -> dict:
+    """Best-of-`repeats` seconds of the bare forward and of the features stage, and their ratio."""
+    loader = TargetLoader(target_cfg)
     target = loader.target
     cfg = features.Config(batch_size=8, rows_per_shard=32)
     tmp = Path(tempfile.mkdtemp(prefix="opd-bench-"))
     try:
-        traj = make_trajectories(Store(tmp / "src"), args.sequences, args.len, target.vocab_size)
+        traj = make_trajectories(Store(tmp / "src"), sequences, length, target.vocab_size)
         seqs = traj.read_table().column("input_ids").to_pylist()
         bare, cached = [], []
-        for r in range(args.repeats):
+        for r in range(repeats):
             t0 = time.perf_counter()
             with torch.no_grad():
                 for b in range(0, len(seqs), cfg.batch_size):
-                    target(torch.tensor(seqs[b : b + cfg.batch_size]))
+                    target(torch.tensor(seqs[b : b + cfg.batch_size], device=target.device))
+            _sync(target.device)
             bare.append(time.perf_counter() - t0)
             store = Store(tmp / f"run{r}")
             ctx = RunContext(store=store, target_loader=loader, progress=False)
             t0 = time.perf_counter()
             run_stage(features.STAGE, cfg, {"trajectories": traj}, ctx)
             cached.append(time.perf_counter() - t0)
-        print(
-            json.dumps(
-                {
-                    "sequences": args.sequences,
-                    "tokens_per_sequence": args.len,
-                    "bare_forward_s": round(min(bare), 3),
-                    "features_stage_s": round(min(cached), 3),
-                    "ratio_features_vs_bare": round(min(cached) / min(bare), 3),
-                    "bare_runs_s": [round(x, 3) for x in bare],
-                    "features_runs_s": [round(x, 3) for x in cached],
-                },
-                indent=2,
-            )
-        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "device": str(target.device),
+        "sequences": sequences,
+        "tokens_per_sequence": length,
+        "bare_forward_s": round(min(bare), 3),
+        "features_stage_s": round(min(cached), 3),
+        "ratio_features_vs_bare": round(min(cached) / min(bare), 3),
+        "bare_runs_s": [round(x, 3) for x in bare],
+        "features_runs_s": [round(x, 3) for x in cached],
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # kernels run asynchronously; time what they did
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sequences", type=int, default=64)
+    ap.add_argument("--len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--target", default="embedded")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    target = TargetConfig(path=args.target, aux_layer_ids=[1, 3, 5], device=args.device)
+    print(json.dumps(measure(args.sequences, args.len, args.repeats, target), indent=2))
 
 
 if __name__ == "__main__":

@@ -22,21 +22,19 @@ from models import vllm_engine
 from pipeline import generate, prompts
 from pipeline.profiles import load_config
 from pipeline.runner import RunContext, run_stage
-from pipeline.targets import TargetLoader
+from pipeline.targets import TargetLoader, resolve_dtype
 from storage import Store
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    args = ap.parse_args()
+def measure(prompts_n: int, max_new_tokens: int, device: str = "auto") -> dict:
+    """HF vs vLLM `generate` on the same default-profile prompts, run one after the other."""
     reason = vllm_engine.unavailable_reason()
     if reason is not None:
         raise SystemExit(reason)
     sets = [
-        f"generate.max_prompts={args.prompts}",
-        f"generate.max_new_tokens={args.max_new_tokens}",
+        f"generate.max_prompts={prompts_n}",
+        f"generate.max_new_tokens={max_new_tokens}",
+        f"target.device={device}",
     ]
     cfg = load_config("default", None, sets)
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,7 +46,9 @@ def main() -> None:
             stage_cfg = cfg.generate.model_copy(update={"backend": backend})
             if backend == "vllm":
                 t0 = time.perf_counter()
-                vllm_engine.engine(vllm_engine.EngineSpec(str(loader.directory), cfg.target.dtype))
+                vllm_engine.engine(
+                    vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(cfg.target))
+                )
                 seconds["vllm_engine_start"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             out[backend] = run_stage(
@@ -59,25 +59,28 @@ def main() -> None:
         vllm_engine.close()
     n = len(rows["hf"])
     with_start = seconds["vllm"] + seconds["vllm_engine_start"]
-    print(
-        json.dumps(
-            {
-                "trajectories": n,
-                "max_new_tokens": args.max_new_tokens,
-                "hf_batch_size": cfg.generate.batch_size,
-                "hf_trajectories_per_s": n / seconds["hf"],
-                "vllm_trajectories_per_s": n / seconds["vllm"],
-                "vllm_engine_start_s": seconds["vllm_engine_start"],
-                "vllm_over_hf": seconds["hf"] / seconds["vllm"],
-                "vllm_over_hf_with_engine_start": seconds["hf"] / with_start,
-                "identical_trajectories": sum(
-                    a == b for a, b in zip(rows["hf"], rows["vllm"], strict=True)
-                )
-                / n,
-            },
-            indent=2,
-        )
-    )
+    return {
+        "device": str(loader.target.device),
+        "trajectories": n,
+        "max_new_tokens": max_new_tokens,
+        "hf_batch_size": cfg.generate.batch_size,
+        "hf_trajectories_per_s": n / seconds["hf"],
+        "vllm_trajectories_per_s": n / seconds["vllm"],
+        "vllm_engine_start_s": seconds["vllm_engine_start"],
+        "vllm_over_hf": seconds["hf"] / seconds["vllm"],
+        "vllm_over_hf_with_engine_start": seconds["hf"] / with_start,
+        "identical_trajectories": sum(a == b for a, b in zip(rows["hf"], rows["vllm"], strict=True))
+        / n,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    print(json.dumps(measure(args.prompts, args.max_new_tokens, args.device), indent=2))
 
 
 if __name__ == "__main__":  # vLLM starts its engine in a spawned process, which imports this file

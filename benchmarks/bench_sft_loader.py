@@ -94,6 +94,74 @@ def sync_collate_seconds(feats, cfg: sft.Config, steps: int) -> float:
     return time.perf_counter() - t0
 
 
+def measure(
+    *,
+    steps: int,
+    rows: int,
+    batch_size: int,
+    max_tokens: int,
+    draft_vocabs: list[int],
+    threads: int | None = None,
+    fp32: bool = False,
+    directory: Path | None = None,
+    device: str = "auto",
+) -> dict:
+    tmp = Path(directory or tempfile.mkdtemp(prefix="opd-bench-sft-"))
+    try:
+        store = Store(tmp)
+        loader = TargetLoader(
+            TargetConfig(
+                path="random", random=EMBEDDED_SHAPE, aux_layer_ids=[1, 3, 5], device=device
+            )
+        )
+        target = loader.target
+        ctx = RunContext(store=store, target_loader=loader, progress=False)
+        results = {}
+        for vd in draft_vocabs:
+            feats = write_features(store, rows, target.hidden_size, target.vocab_size, vd)
+            for bf16 in [True, False] if fp32 else [True]:
+                cfg = sft.Config(
+                    steps=steps,
+                    batch_size=batch_size,
+                    max_tokens=max_tokens,
+                    val_share=0.0,
+                    bf16=bf16,
+                    threads=threads,
+                )
+                meta = run_stage(sft.STAGE, cfg, {"features": feats}, ctx, force=True).dataset.meta
+                sync = sync_collate_seconds(feats, cfg, steps)
+                results[f"{'bf16' if bf16 else 'fp32'}_vd{vd}"] = {
+                    "tokens_per_s": meta["tokens_per_s_this_run"],
+                    "stall_share": meta["loader_stall_share"],
+                    "sync_collate_share": round(sync / meta["seconds_this_run"], 4),
+                    "seconds": meta["seconds_this_run"],
+                }
+    finally:
+        if directory is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out = {
+        "device": str(target.device),
+        "steps": steps,
+        "rows": rows,
+        "batch_size": batch_size,
+        "max_tokens": max_tokens,
+        "threads": torch.get_num_threads(),
+        "hidden": target.hidden_size,
+        "vocab": target.vocab_size,
+        **results,
+    }
+    speed = {k: v["tokens_per_s"] for k, v in results.items()}
+    for vd in draft_vocabs:
+        if f"fp32_vd{vd}" in speed:
+            out[f"bf16_over_fp32_vd{vd}"] = round(speed[f"bf16_vd{vd}"] / speed[f"fp32_vd{vd}"], 3)
+    if len(draft_vocabs) > 1:
+        big, small = max(draft_vocabs), min(draft_vocabs)
+        out[f"bf16_vd{small}_over_vd{big}"] = round(
+            speed[f"bf16_vd{small}"] / speed[f"bf16_vd{big}"], 3
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -106,61 +174,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fp32", action="store_true", help="also time fp32 (no autocast)")
     ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    draft_vocabs = [int(v) for v in args.draft_vocabs.split(",")]
-    tmp = Path(args.dir or tempfile.mkdtemp(prefix="opd-bench-sft-"))
-    try:
-        store = Store(tmp)
-        loader = TargetLoader(
-            TargetConfig(path="random", random=EMBEDDED_SHAPE, aux_layer_ids=[1, 3, 5])
-        )
-        target = loader.target
-        ctx = RunContext(store=store, target_loader=loader, progress=False)
-        results = {}
-        for vd in draft_vocabs:
-            feats = write_features(store, args.rows, target.hidden_size, target.vocab_size, vd)
-            for bf16 in [True, False] if args.fp32 else [True]:
-                cfg = sft.Config(
-                    steps=args.steps,
-                    batch_size=args.batch_size,
-                    max_tokens=args.max_tokens,
-                    val_share=0.0,
-                    bf16=bf16,
-                    threads=args.threads,
-                )
-                meta = run_stage(sft.STAGE, cfg, {"features": feats}, ctx, force=True).dataset.meta
-                sync = sync_collate_seconds(feats, cfg, args.steps)
-                results[f"{'bf16' if bf16 else 'fp32'}_vd{vd}"] = {
-                    "tokens_per_s": meta["tokens_per_s_this_run"],
-                    "stall_share": meta["loader_stall_share"],
-                    "sync_collate_share": round(sync / meta["seconds_this_run"], 4),
-                    "seconds": meta["seconds_this_run"],
-                }
-        out = {
-            "steps": args.steps,
-            "rows": args.rows,
-            "batch_size": args.batch_size,
-            "max_tokens": args.max_tokens,
-            "threads": torch.get_num_threads(),
-            "hidden": target.hidden_size,
-            "vocab": target.vocab_size,
-            **results,
-        }
-        speed = {k: v["tokens_per_s"] for k, v in results.items()}
-        for vd in draft_vocabs:
-            if f"fp32_vd{vd}" in speed:
-                out[f"bf16_over_fp32_vd{vd}"] = round(
-                    speed[f"bf16_vd{vd}"] / speed[f"fp32_vd{vd}"], 3
-                )
-        if len(draft_vocabs) > 1:
-            big, small = max(draft_vocabs), min(draft_vocabs)
-            out[f"bf16_vd{small}_over_vd{big}"] = round(
-                speed[f"bf16_vd{small}"] / speed[f"bf16_vd{big}"], 3
-            )
-        print(json.dumps(out, indent=2))
-    finally:
-        if args.dir is None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    out = measure(
+        steps=args.steps,
+        rows=args.rows,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        draft_vocabs=[int(v) for v in args.draft_vocabs.split(",")],
+        threads=args.threads,
+        fp32=args.fp32,
+        directory=args.dir,
+        device=args.device,
+    )
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -342,6 +342,7 @@ def load_target(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    device_map: str | None = None,
     aux_layer_ids: Sequence[int] | None = None,
 ) -> Target:
     """Load a local HF causal-LM directory (safetensors weights) as a frozen `Target`.
@@ -380,8 +381,10 @@ def load_target(
             )
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype, device_map=None, use_safetensors=True
-        ).to(device)
+            path, local_files_only=True, dtype=dtype, device_map=device_map, use_safetensors=True
+        )
+        if device_map is None:  # with a device map, accelerate has placed every layer already
+            model = model.to(device)
     except (OSError, RuntimeError, SafetensorError) as err:
         raise ValueError(f"{path}: the weights do not load ({_one_line(err)})") from None
     identity = {"path": str(path.resolve()), "weights_sha256": _files_sha256(weight_files)}

@@ -35,6 +35,7 @@ from pipeline.config import StrictConfig, runtime_field
 from pipeline.drafters import load_drafter_dataset
 from pipeline.runner import RunContext
 from pipeline.stage import DRAFTER_KINDS, Stage
+from pipeline.targets import resolve_dtype
 from storage import Dataset, DatasetWriter, OpdError
 
 log = logging.getLogger("opd")
@@ -179,7 +180,7 @@ def vllm_stats(
         )
     try:
         stats = vllm_engine.measure_speculation(
-            vllm_engine.EngineSpec(str(loader.directory), loader.cfg.dtype, seed=cfg.seed),
+            vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(loader.cfg), seed=cfg.seed),
             str(ensure_export(drafter, loader, ctx.store.root, cfg.k)),
             cfg.k,
             prompts,

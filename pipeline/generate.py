@@ -30,6 +30,7 @@ from models import vllm_engine
 from pipeline.config import StrictConfig, runtime_field
 from pipeline.runner import RunContext
 from pipeline.stage import Stage
+from pipeline.targets import resolve_dtype
 from storage import Dataset, DatasetWriter, OpdError
 
 SCHEMA = pa.schema(
@@ -83,7 +84,7 @@ def _start_vllm(cfg: Config, ctx: RunContext) -> tuple[vllm_engine.EngineSpec | 
         raise OpdError(
             "generate.backend=vllm needs a target directory; target.path=random is not one"
         )
-    spec = vllm_engine.EngineSpec(str(loader.directory), loader.cfg.dtype)
+    spec = vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(loader.cfg))
     try:
         return spec, vllm_engine.start(spec)
     except vllm_engine.VllmError as e:

@@ -189,12 +189,17 @@ class ReplayBatch:
     def row_steps(self) -> int:
         return int(self.lengths.sum()) * len(self.step_tokens)
 
-    def to(self, device: torch.device) -> ReplayBatch:
-        moved = {
-            k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()
-        }
-        moved["step_tokens"] = [None if t is None else t.to(device) for t in self.step_tokens]
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> ReplayBatch:
+        moved = {k: (fn(v) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
+        moved["step_tokens"] = [None if t is None else fn(t) for t in self.step_tokens]
         return ReplayBatch(**moved)
+
+    def to(self, device: torch.device) -> ReplayBatch:
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> ReplayBatch:
+        """A page-locked copy, so `to(cuda)` copies asynchronously."""
+        return self._map(Tensor.pin_memory)
 
 
 class ReplayIndex:
@@ -537,7 +542,13 @@ class _Data:
 
 
 def _setup_data(
-    cfg: Config, inputs: dict[str, Dataset], vocab: Any, rank: int, world_size: int
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    vocab: Any,
+    rank: int,
+    world_size: int,
+    *,
+    pin_memory: bool = False,
 ) -> _Data:
     replays, rollouts = inputs["replays"], inputs["rollouts"]
     ce_on_rollouts = cfg.ce_lambda > 0 and cfg.ce_source == "rollouts"
@@ -559,7 +570,11 @@ def _setup_data(
             "lower val_share or replay more sequences"
         )
     common = dict(
-        batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, rank=rank, world_size=world_size
+        batch_size=cfg.batch_size,
+        max_tokens=cfg.max_tokens,
+        rank=rank,
+        world_size=world_size,
+        pin_memory=pin_memory,
     )
     held = dict(shuffle=False, equal_ranks=False, **common)
     anchor = None
@@ -750,7 +765,9 @@ def run(
             made_by,
             source.ref,
         )
-    data = _setup_data(cfg, inputs, drafter.vocab, rank, world_size)
+    data = _setup_data(
+        cfg, inputs, drafter.vocab, rank, world_size, pin_memory=target.device.type == "cuda"
+    )
     trainer = Trainer(
         cfg,
         stage="opd",

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pipeline.config import StrictConfig, version_dict
 from pipeline.stage import Stage
 from storage import Dataset, DatasetRef, DatasetWriter, OpdError, Store
@@ -92,6 +94,20 @@ def _check_not_empty(stage: Stage, writer: DatasetWriter, inputs: dict[str, Data
         )
 
 
+def _out_of_memory(stage: Stage, cfg: StrictConfig, rank: int) -> str:
+    batch = getattr(cfg, "batch_size", None)
+    knob = (
+        f"lower {stage.name}.batch_size (now {batch}), e.g. --set "
+        f"{stage.name}.batch_size={max(1, batch // 2)}"
+        if batch is not None
+        else "lower its batch settings"
+    )
+    return (
+        f"stage {stage.name} ran out of GPU memory on rank {rank}: {knob}; its completed "
+        "shards are kept and a re-run resumes from them"
+    )
+
+
 def run_stage(
     stage: Stage,
     cfg: StrictConfig,
@@ -127,7 +143,10 @@ def run_stage(
         done = len(writer.completed_shards())
         if done:
             log.info("[%s] resuming %s from %d completed shard(s)", stage.name, writer.ref, done)
-        meta = stage.run(cfg, inputs, writer, rank, world_size, ctx) or {}
+        try:
+            meta = stage.run(cfg, inputs, writer, rank, world_size, ctx) or {}
+        except torch.OutOfMemoryError:
+            raise OpdError(_out_of_memory(stage, cfg, rank)) from None
         if world_size > 1:
             writer.rank_done()
             if writer.ranks_done() != list(range(world_size)):

@@ -172,13 +172,17 @@ def _starting_drafter(
 
 
 def _setup_data(
-    cfg: Config, sources: list[Dataset], rank: int, world_size: int
+    cfg: Config, sources: list[Dataset], rank: int, world_size: int, *, pin_memory: bool = False
 ) -> tuple[training.FeatureLoader, training.FeatureLoader]:
     """Train and validation loaders over the features, split by sequence with `cfg.seed`."""
     index = training.FeatureIndex(sources, FEATURE_COLUMNS)
     train_rows, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
     common = dict(
-        batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, rank=rank, world_size=world_size
+        batch_size=cfg.batch_size,
+        max_tokens=cfg.max_tokens,
+        rank=rank,
+        world_size=world_size,
+        pin_memory=pin_memory,
     )
     train = training.FeatureLoader(
         index, train_rows, seed=cfg.seed, prefetch=cfg.prefetch, **common
@@ -209,7 +213,9 @@ def run(
     vocab_tensors = vocab_of(feats)
     vocab = DraftVocab(vocab_tensors["d2t"], vocab_tensors["t2d"])
 
-    train, val = _setup_data(cfg, sources, rank, world_size)
+    train, val = _setup_data(
+        cfg, sources, rank, world_size, pin_memory=target.device.type == "cuda"
+    )
     train_rows, val_rows = train.rows, val.rows
     drafter = _starting_drafter(inputs, target, vocab, cfg, ctx)
     trainer = Trainer(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from models.drafter import check_aux_layer_ids, check_aux_layer_order, default_aux_layer_ids
 from models.target import Target, load_target
@@ -33,8 +34,17 @@ class RandomTargetConfig(StrictConfig):
 class TargetConfig(StrictConfig):
     path: str = "embedded"
     """`embedded` (the committed code model), `random` (see `random`), or a local HF directory."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """fp32 by default: on CPU it keeps T=0 decoding exactly equal to plain greedy decoding."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """`auto` (CUDA when torch sees a GPU, else CPU), `cpu`, `cuda`, `cuda:N`. Where the target and
+    the drafter run; never part of a version (the same weights give the same data anywhere, up
+    to `dtype`, which is)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """`auto`: bf16 on CUDA (what GPU targets are served in), fp32 on CPU, where it keeps T=0
+    speculative decoding exactly equal to plain greedy decoding. The resolved dtype enters the
+    target's identity."""
+    device_map: Literal["auto"] | None = None
+    """`auto`: spread a target too large for one GPU over every visible GPU with accelerate
+    (local model directories only); the drafter then runs where the LM head is."""
     aux_layer_ids: list[int] | None = None
     """HF hidden_states[k] ids (the state entering layer k); None = EAGLE-3's (2, N//2, N-3)."""
     random: RandomTargetConfig = RandomTargetConfig()
@@ -55,6 +65,34 @@ class TargetConfig(StrictConfig):
             ids = self.aux_layer_ids or default_aux_layer_ids(self.random.num_layers)
             check_aux_layer_ids(ids, self.random.num_layers)
         return self
+
+
+def resolve_device(cfg: TargetConfig) -> torch.device:
+    """The device `cfg.device` names on this machine; a CUDA device torch cannot see is an error."""
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OpdError(
+                f"target.device={cfg.device} but torch sees no CUDA GPU (torch "
+                f"{torch.__version__}, built for CUDA {torch.version.cuda}): use "
+                "--set target.device=cpu (or auto), or install a CUDA build of torch"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise OpdError(
+                f"target.device={cfg.device} but torch sees {torch.cuda.device_count()} GPU(s): "
+                f"use cuda:0..cuda:{torch.cuda.device_count() - 1}"
+            )
+    return device
+
+
+def resolve_dtype(cfg: TargetConfig) -> str:
+    """`float32` or `bfloat16`: what `cfg.dtype` means on the device it resolves to."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    on_gpu = cfg.device_map is not None or resolve_device(cfg).type == "cuda"
+    return "bfloat16" if on_gpu else "float32"
 
 
 def _build_random(cfg: RandomTargetConfig, vocab_size: int, tokenizer: Any) -> torch.nn.Module:
@@ -115,22 +153,36 @@ class TargetLoader:
 
     @cached_property
     def target(self) -> Target:
-        dtype = getattr(torch, self.cfg.dtype)
+        device = resolve_device(self.cfg)
+        dtype = getattr(torch, resolve_dtype(self.cfg))
         ids = self.cfg.aux_layer_ids
+        if self.cfg.device_map is not None:
+            if self.cfg.path == "random":
+                raise OpdError("target.device_map needs a model directory, not target.path=random")
+            if importlib.util.find_spec("accelerate") is None:
+                raise OpdError("target.device_map=auto needs accelerate: pip install accelerate")
         try:
             if self.cfg.path == "random":
                 model = _build_random(self.cfg.random, len(self.tokenizer), self.tokenizer)
-                return Target.from_model(model.to(dtype), aux_layer_ids=ids)
+                return Target.from_model(model.to(device=device, dtype=dtype), aux_layer_ids=ids)
             path = EMBEDDED_TARGET if self.cfg.path == "embedded" else Path(self.cfg.path)
-            return load_target(path, dtype=dtype, aux_layer_ids=ids)
+            return load_target(
+                path, dtype=dtype, device=device, device_map=self.cfg.device_map, aux_layer_ids=ids
+            )
         except (ValueError, FileNotFoundError) as e:
             raise OpdError(f"cannot load target {self.cfg.path!r}: {e}") from None
+        except torch.OutOfMemoryError:
+            raise OpdError(
+                f"the target {self.cfg.path!r} does not fit in {device}'s memory: use "
+                "--set target.device_map=auto to spread it over every GPU, or a smaller dtype"
+            ) from None
 
     @cached_property
     def identity(self) -> dict[str, Any]:
-        """Weights hash + architecture; not the path, so a moved checkout keeps its versions."""
+        """Weights hash + architecture + resolved dtype; not the path (a moved checkout keeps its
+        versions) and not the device."""
         ident = {k: v for k, v in self.target.identity.items() if k != "path"}
-        ident["dtype"] = self.cfg.dtype
+        ident["dtype"] = resolve_dtype(self.cfg)
         return ident
 
     def record(self) -> dict[str, Any]:
@@ -147,7 +199,9 @@ _BUILT_IN = ("embedded", "random")
 
 def target_spec(cfg: TargetConfig) -> dict[str, Any]:
     """`cfg` in the form a manifest records it: a local path made absolute, unused sections dropped."""
-    spec = cfg.model_dump(mode="json")
+    spec = cfg.model_dump(mode="json", exclude={"device", "device_map"})
+    # Where the data was made is no part of what made it; the dtype it was made in is.
+    spec["dtype"] = resolve_dtype(cfg)
     if cfg.path not in _BUILT_IN:
         resolved = Path(cfg.path).expanduser().resolve()
         spec["path"] = "embedded" if resolved == EMBEDDED_TARGET else str(resolved)

@@ -130,6 +130,12 @@ class PaddedBatch:
     def __getitem__(self, name: str) -> Tensor:
         return self.columns[name]
 
+    def pin_memory(self) -> PaddedBatch:
+        """A page-locked copy, so the host->GPU copy runs asynchronously (non_blocking)."""
+        return PaddedBatch(
+            {k: v.pin_memory() for k, v in self.columns.items()}, self.lengths, self.rows
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
@@ -321,6 +327,7 @@ class FeatureLoader:
         world_size: int = 1,
         equal_ranks: bool = True,
         prefetch: int = 4,
+        pin_memory: bool = False,
     ):
         if not 0 <= rank < world_size:
             raise OpdError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -332,6 +339,8 @@ class FeatureLoader:
         self.seed, self.shuffle = seed, shuffle
         self.rank, self.world_size, self.equal_ranks = rank, world_size, equal_ranks
         self.prefetch = prefetch
+        # Pinned in the producer thread, off the training step's critical path.
+        self.pin_memory = pin_memory
         self.wait_seconds = 0.0
         self._len = len(self.plan(0))
 
@@ -380,7 +389,8 @@ class FeatureLoader:
                 for rows in plans():
                     if stop.is_set():
                         return
-                    put(self.index.collate(rows))
+                    batch = self.index.collate(rows)
+                    put(batch.pin_memory() if self.pin_memory else batch)
                 put(_END)
             except BaseException as e:  # handed to the consumer, which re-raises it
                 put(e)
