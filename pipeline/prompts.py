@@ -8,8 +8,12 @@ Two kinds of source:
   `file_continuation` (a file's first N lines -> what follows).
 - a user file, JSONL or Parquet, with `text` (a raw-completion prompt: the target continues it) or
   `messages` (chat, rendered with the tokenizer's chat template; the final assistant turn, if
-  any, is the reference). Bad rows are skipped and counted per reason; a file with no usable row
-  is an error.
+  any, is the reference) or ShareGPT's `conversations` ({"from": "human"|"gpt"|"system",
+  "value": ...}, mapped to those roles). Bad rows are skipped and counted per reason; a file with
+  no usable row is an error.
+- `hf:NAME[:CONFIG][@SPLIT]`: one split of a dataset read through `datasets` with the same
+  columns, NAME being a dataset in the local HF cache or a local path (a `save_to_disk`
+  directory, or data files `load_dataset` reads). Resolving it never touches the network.
 
 Prompt and reference are cut from ONE tokenization of prompt + reference: tokenizing them apart
 would end a prompt on a token the target never saw there (e.g. a lone "\\n" where training text has
@@ -27,12 +31,17 @@ import ast
 import hashlib
 import json
 import random
+import re
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import Field
+from pydantic import Field, field_validator
 from transformers import PreTrainedTokenizerBase
 
 from models.tiny_target import corpus
@@ -41,13 +50,16 @@ from pipeline.config import StrictConfig
 from pipeline.stage import Stage
 from storage import OpdError
 
+if TYPE_CHECKING:
+    import datasets
+
 SPLITS = ("train", "heldout")
 ROLES = frozenset({"system", "user", "assistant"})
 _BATCH = 256  # source candidates tokenized per call
 
 
 class PromptsConfig(StrictConfig):
-    source: str = "embedded"  # "embedded", or a path to a .jsonl / .parquet file
+    source: str = "embedded"  # "embedded", a .jsonl / .parquet path, or hf:NAME[:CONFIG][@SPLIT]
     max_prompt_tokens: int = Field(256, ge=8)
     max_reference_tokens: int = Field(256, ge=1)
     max_train_rows: int = Field(4000, ge=1)
@@ -58,6 +70,13 @@ class PromptsConfig(StrictConfig):
     heldout_per_mille: int = Field(100, ge=0, le=1000)  # user rows without a `split` field
     max_chars: int = Field(200_000, ge=1)  # per user row, checked before tokenizing
     seed: int = 0
+
+    @field_validator("source")
+    @classmethod
+    def _hf_syntax(cls, source: str) -> str:
+        if source.startswith(HF_PREFIX):
+            HfSource.parse(source)
+        return source
 
 
 Row = dict
@@ -283,13 +302,181 @@ def _read_user_rows(path: Path, skipped: Counter) -> list[tuple[str, dict]]:
             table = pq.read_table(path)
         except (pa.ArrowInvalid, OSError) as e:
             raise ValueError(f"{path} is not a readable Parquet file: {e}") from e
-        if not {"text", "messages"} & set(table.column_names):
+        if not {"text", "messages", "conversations"} & set(table.column_names):
             raise ValueError(
                 f"{path} has columns {table.column_names}; a prompt source needs a `text` "
-                "column (raw completion) or a `messages` column (chat)"
+                "column (raw completion) or a `messages` or `conversations` column (chat)"
             )
         return [(f"{path.name}:{n}", record) for n, record in enumerate(table.to_pylist())]
     raise ValueError(f"prompt source {path} must end in .jsonl or .parquet")
+
+
+# --- sources read through `datasets` ---------------------------------------------------------
+
+HF_PREFIX = "hf:"
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_COLUMNS = ("text", "messages", "conversations", "split")  # all a row can use
+_SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk leaves in a directory
+
+
+@dataclass(frozen=True)
+class HfSource:
+    """`hf:NAME[:CONFIG][@SPLIT]`."""
+
+    text: str
+    name: str
+    config: str | None
+    split: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> HfSource:
+        rest, at, split = text.removeprefix(HF_PREFIX).rpartition("@")
+        if not at:
+            rest, split = split, ""
+        name, colon, config = rest.partition(":")
+        if not name or (at and not split) or (colon and not config):
+            raise ValueError(
+                f"prompts.source {text!r} is not hf:NAME[:CONFIG][@SPLIT]; e.g. "
+                "hf:HuggingFaceH4/ultrachat_200k@train_sft or hf:./my_dataset@train"
+            )
+        if not (cls._local(name) or _HUB_NAME.fullmatch(name)):
+            raise ValueError(
+                f"prompts.source {text!r}: {name!r} is neither an existing local path nor a "
+                "dataset name (NAME or ORG/NAME)"
+            )
+        return cls(text, name, config or None, split or None)
+
+    @staticmethod
+    def _local(name: str) -> bool:
+        return name.startswith(("/", ".", "~")) or Path(name).expanduser().exists()
+
+    @property
+    def path(self) -> Path | None:
+        return Path(self.name).expanduser() if self._local(self.name) else None
+
+
+@contextmanager
+def _offline() -> Iterator[None]:
+    """Hub access off while a source resolves, so a dataset missing here is an error rather than a
+    download or a network hang. Both flags are read from the environment at import, so the live
+    module values are switched (and restored: the target loader has its own rules)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
+def load_hf_split(src: HfSource) -> datasets.Dataset:
+    """The one split `src` names, memory-mapped from Arrow files (never unpickled)."""
+    # Imported here: `datasets` costs about a second, and most runs never read through it.
+    import datasets
+
+    path = src.path
+    if path is not None and not path.exists():
+        raise ValueError(f"prompts.source {src.text!r}: {path} does not exist")
+    try:
+        with _offline():
+            if path is not None and any((path / m).is_file() for m in _SAVED_MARKERS):
+                if src.config:
+                    raise ValueError(
+                        f"{path} is a save_to_disk directory, which has no configs; drop "
+                        f":{src.config}"
+                    )
+                loaded = datasets.load_from_disk(str(path), keep_in_memory=False)
+            elif path is not None and path.is_file():
+                builder = _FILE_BUILDERS.get(path.suffix)
+                if builder is None:
+                    raise ValueError(
+                        f"{path} is not a data file datasets reads here; use one of "
+                        f"{sorted(_FILE_BUILDERS)} or a directory"
+                    )
+                loaded = datasets.load_dataset(
+                    builder, src.config, data_files=str(path), keep_in_memory=False
+                )
+            else:
+                loaded = datasets.load_dataset(
+                    str(path or src.name), src.config, keep_in_memory=False
+                )
+    except (ConnectionError, FileNotFoundError) as e:
+        if path is not None:
+            raise ValueError(f"prompts.source {src.text!r}: {_one_line(e)}") from None
+        config = f", {src.config!r}" if src.config else ""
+        raise ValueError(
+            f"prompts.source {src.text!r}: {src.name} is not in the local HF cache or a local "
+            'path; download it first with python -c "import datasets; datasets.load_dataset('
+            f"'{src.name}'{config})\" on a machine with network access (same HF_HOME)"
+        ) from None
+    except ValueError as e:  # e.g. a config not in the cache; datasets' messages span lines
+        raise ValueError(f"prompts.source {src.text!r}: {_one_line(e)}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded)
+        if src.split is None and len(splits) != 1:
+            raise ValueError(
+                f"prompts.source {src.text!r} has splits {splits}; pick one, e.g. "
+                f"{src.text}@{splits[0]}"
+            )
+        split = src.split or splits[0]
+        if split not in loaded:
+            raise ValueError(
+                f"prompts.source {src.text!r} has no split {split!r}; splits: {splits}"
+            )
+        return loaded[split]
+    if src.split is not None:
+        raise ValueError(
+            f"prompts.source {src.text!r}: {src.name} holds a single split (a Dataset saved with "
+            f"save_to_disk); drop @{src.split}"
+        )
+    return loaded
+
+
+def _one_line(e: Exception) -> str:
+    return "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
+
+
+def _read_hf_rows(src: HfSource) -> list[tuple[str, dict]]:
+    ds = load_hf_split(src)
+    if not {"text", "messages", "conversations"} & set(ds.column_names):
+        raise ValueError(
+            f"prompts.source {src.text!r} has columns {ds.column_names}; a prompt source needs "
+            "`text` (raw completion), `messages` (chat) or `conversations` (ShareGPT chat)"
+        )
+    table = ds.select_columns([c for c in _COLUMNS if c in ds.column_names])
+    return [(f"{src.text}:{n}", record) for n, record in enumerate(table.to_list())]
+
+
+def hf_content_sha256(src: HfSource) -> str:
+    """A hash of the Arrow files behind the split: an updated or re-saved dataset, or another
+    cached revision, is another version, while the name alone would not change."""
+    digest = hashlib.sha256()
+    for f in load_hf_split(src).cache_files:
+        with open(f["filename"], "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- rows from records ----------------------------------------------------------------------
+
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+def _sharegpt_messages(conversations) -> list[dict] | None:
+    """ShareGPT turns as role/content messages; None if a turn is not {"from", "value"} with a
+    known speaker."""
+    if not isinstance(conversations, list):
+        return None
+    out = []
+    for turn in conversations:
+        if not isinstance(turn, dict) or turn.get("from") not in _SHAREGPT_ROLES:
+            return None
+        out.append({"role": _SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")})
+    return out
 
 
 def _valid_messages(messages) -> bool:
@@ -346,20 +533,30 @@ def _chat_row(
 
 
 def user_rows(
-    path: Path, tokenizer: PreTrainedTokenizerBase, cfg: PromptsConfig
+    source: Path | HfSource, tokenizer: PreTrainedTokenizerBase, cfg: PromptsConfig
 ) -> tuple[list[Row], dict[str, int]]:
-    """Rows from a user JSONL/Parquet file of `text` or `messages` records."""
+    """Rows from a user JSONL/Parquet file or a `datasets` split of `text`, `messages` or
+    `conversations` records."""
     _require_fast(tokenizer)
     skipped: Counter = Counter()
-    records = _read_user_rows(Path(path), skipped)
-    if records and not any("text" in r or "messages" in r for _, r in records):
+    if isinstance(source, HfSource):
+        records, path = _read_hf_rows(source), source.text
+    else:
+        records, path = _read_user_rows(Path(source), skipped), source
+    if records and not any(r.keys() & {"text", "messages", "conversations"} for _, r in records):
         raise ValueError(
-            f"no row of {path} has a `text` or `messages` field; write one JSON object per line "
-            'with "text": "..." (raw completion) or "messages": [{"role": ..., "content": ...}]'
+            f"no row of {path} has a `text`, `messages` or `conversations` field; write one JSON "
+            'object per line with "text": "..." (raw completion) or "messages": [{"role": ..., '
+            '"content": ...}]'
         )
     rows = []
     for where, record in records:
         text, messages = record.get("text"), record.get("messages")
+        if text is None and messages is None and record.get("conversations") is not None:
+            messages = _sharegpt_messages(record["conversations"])
+            if messages is None:
+                skipped["bad_messages"] += 1
+                continue
         if text is None and messages is None:
             skipped["missing_field"] += 1
             continue
@@ -425,6 +622,8 @@ def build_rows(
     """The stage's rows and the number of skipped candidates per reason."""
     if cfg.source == "embedded":
         return source_rows(embedded_modules(), tokenizer, cfg)
+    if cfg.source.startswith(HF_PREFIX):
+        return user_rows(HfSource.parse(cfg.source), tokenizer, cfg)
     return user_rows(Path(cfg.source), tokenizer, cfg)
 
 
@@ -450,9 +649,14 @@ def version_extra(cfg: PromptsConfig) -> dict:
     if cfg.source == "embedded":
         m = corpus.manifest(corpus.list_sources())
         return {"source_sha256": {s: m[s]["content_sha256"] for s in m}}
+    if cfg.source.startswith(HF_PREFIX):
+        return {"source_sha256": hf_content_sha256(HfSource.parse(cfg.source))}
     path = Path(cfg.source)
     if not path.is_file():
-        raise ValueError(f"prompts source {path} does not exist; pass a .jsonl or .parquet file")
+        raise ValueError(
+            f"prompts source {path} does not exist; pass a .jsonl or .parquet file or "
+            "hf:NAME[:CONFIG][@SPLIT]"
+        )
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -485,7 +689,8 @@ STAGE = Stage(
     version="1",
     config=PromptsConfig,
     run=run,
-    doc="prompts from the embedded corpus or your JSONL/Parquet, split train / held-out",
+    doc="prompts from the embedded corpus, your JSONL/Parquet or a `datasets` split (hf:NAME), "
+    "split train / held-out",
     uses_target=True,  # the target's tokenizer defines the ids
     version_extra=version_extra,
 )

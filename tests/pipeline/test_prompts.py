@@ -1,13 +1,18 @@
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
+import datasets
+import huggingface_hub.constants
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from models.tiny_target.tokenizer import EOS, train_bpe
-from pipeline.prompts import PromptsConfig, build_rows, source_rows, user_rows
+from pipeline import prompts
+from pipeline.prompts import PromptsConfig, build_rows, source_rows, user_rows, version_extra
+from pipeline.runner import run_stage
 
 MODULE = textwrap.dedent(
     '''\
@@ -224,7 +229,9 @@ def test_unusable_files_are_clear_errors(tokenizer, tmp_path):
         user_rows(
             write_jsonl(tmp_path / "bad.jsonl", ["{oops", json.dumps({"text": ""})]), tokenizer, cfg
         )
-    with pytest.raises(ValueError, match="no row of .* has a `text` or `messages` field"):
+    with pytest.raises(
+        ValueError, match="no row of .* has a `text`, `messages` or `conversations` field"
+    ):
         user_rows(
             write_jsonl(tmp_path / "cols.jsonl", [json.dumps({"prompt": "x"})]), tokenizer, cfg
         )
@@ -277,3 +284,166 @@ def test_embedded_corpus_prompts_split_by_module():
         assert splits[r["source"].removeprefix("stdlib:")] == r["split"]
         assert len(r["prompt_ids"]) <= cfg.max_prompt_tokens and r["reference_ids"]
     assert {"def_body", "file_continuation"} <= {r["kind"] for r in rows}
+
+
+# --- sources read through `datasets` ---------------------------------------------------------
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """An empty HF datasets cache of the test's own (load_dataset writes its Arrow files there)."""
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    return cache
+
+
+def chat(i: int) -> list[dict]:
+    return [
+        {"role": "user", "content": f"Write function number {i}."},
+        {"role": "assistant", "content": f"def f{i}():\n    return {i}\n"},
+    ]
+
+
+def sharegpt(messages: list[dict]) -> list[dict]:
+    speaker = {"user": "human", "assistant": "gpt", "system": "system"}
+    return [{"from": speaker[m["role"]], "value": m["content"]} for m in messages]
+
+
+def without_source(rows):
+    return sorted(json.dumps({k: v for k, v in r.items() if k != "source"}) for r in rows)
+
+
+def test_a_saved_dataset_runs_through_the_prompts_stage(tiny, tmp_path, hf_cache):
+    _, ctx, _, _ = tiny
+    saved = tmp_path / "ultrachat"
+    train = [chat(i) for i in range(30)]
+    datasets.DatasetDict(
+        {
+            "train_sft": datasets.Dataset.from_dict({"prompt": ["x"] * 30, "messages": train}),
+            "test_sft": datasets.Dataset.from_dict({"messages": [chat(99)]}),
+        }
+    ).save_to_disk(saved)
+    cfg = PromptsConfig(source=f"hf:{saved}@train_sft", heldout_per_mille=200)
+    res = run_stage(prompts.STAGE, cfg, {}, ctx)
+    rows = res.dataset.read_table().to_pylist()
+    assert res.dataset.meta["skipped"] == {} and len(rows) == 30
+    assert {r["kind"] for r in rows} == {"user_chat"}
+    assert {r["source"] for r in rows} == {f"hf:{saved}@train_sft:{i}" for i in range(30)}
+    assert 0 < sum(r["split"] == "heldout" for r in rows) < 30
+    # The same rows as the same chats from a JSONL file: the chat template and masks apply alike.
+    jsonl = write_jsonl(tmp_path / "same.jsonl", [json.dumps({"messages": m}) for m in train])
+    expected, _ = user_rows(jsonl, ctx.target_loader.tokenizer, cfg)
+    assert without_source(rows) == without_source(expected)
+
+    assert run_stage(prompts.STAGE, cfg, {}, ctx).reused
+    # Same name, new content (one answer edited and saved again): a new version.
+    shutil.rmtree(saved)
+    train[3] = chat(333)
+    datasets.DatasetDict(
+        {"train_sft": datasets.Dataset.from_dict({"messages": train})}
+    ).save_to_disk(saved)
+    edited = run_stage(prompts.STAGE, cfg, {}, ctx)
+    assert not edited.reused and edited.ref != res.ref
+    assert "Write function number 333." in str(edited.dataset.read_table()["prompt_text"])
+
+
+def test_sharegpt_conversations_from_data_files_map_to_chat_roles(tokenizer, tmp_path, hf_cache):
+    convs = [[{"role": "system", "content": "Be brief."}, *chat(i)] for i in range(5)] + [CHAT]
+    folder = tmp_path / "sharegpt"
+    folder.mkdir()
+    write_jsonl(
+        folder / "part-0.jsonl",
+        [json.dumps({"id": i, "conversations": sharegpt(c)}) for i, c in enumerate(convs)]
+        + [json.dumps({"conversations": [{"from": "bing", "value": "hi"}]})],
+    )
+    cfg = PromptsConfig()
+    expected, _ = user_rows(
+        write_jsonl(tmp_path / "m.jsonl", [json.dumps({"messages": c}) for c in convs]),
+        tokenizer,
+        cfg,
+    )
+    for source in (f"hf:{folder}", f"hf:{folder}@train", f"hf:{folder / 'part-0.jsonl'}"):
+        rows, skipped = build_rows(cfg.model_copy(update={"source": source}), tokenizer)
+        assert skipped == {"bad_messages": 1}, source
+        assert without_source(rows) == without_source(expected), source
+    # a ShareGPT file works without `datasets` too
+    rows, _ = user_rows(folder / "part-0.jsonl", tokenizer, cfg)
+    assert without_source(rows) == without_source(expected)
+
+
+def fake_hub_cache(cache: Path, name: str, records: list[dict], tmp_path: Path) -> Path:
+    """What `load_dataset(name)` leaves in the cache once downloaded: Arrow files of its splits
+    under ORG___NAME/CONFIG/VERSION/HASH, built here from local JSON (there is no hub)."""
+    src = tmp_path / "hub-src.jsonl"
+    write_jsonl(src, [json.dumps(r) for r in records])
+    builder = datasets.load_dataset_builder(
+        "json", data_files={"train": str(src)}, cache_dir=str(tmp_path / "build")
+    )
+    builder.download_and_prepare()
+    org, short = name.split("/")
+    dst = cache / f"{org}___{short}" / "default" / "0.0.0" / "abc123"
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(builder.cache_dir) / "dataset_info.json", dst)
+    shutil.copy(Path(builder.cache_dir) / "json-train.arrow", dst / f"{short}-train.arrow")
+    return dst
+
+
+def test_a_cached_hub_dataset_loads_offline_and_its_version_follows_its_content(
+    tokenizer, tmp_path, hf_cache, monkeypatch
+):
+    texts = [f"def g{i}(x):\n" for i in range(8)]
+    fake_hub_cache(hf_cache, "someorg/code_set", [{"text": t} for t in texts], tmp_path)
+    # As on a machine with network: the loader itself must switch the hub off while it resolves.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    real_load, seen = datasets.load_dataset, []
+
+    def spy(*args, **kwargs):
+        seen.append((huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", spy)
+    cfg = PromptsConfig(source="hf:someorg/code_set@train")
+    rows, skipped = build_rows(cfg, tokenizer)
+    assert skipped == {} and sorted(r["prompt_text"] for r in rows) == sorted(texts)
+    assert {r["source"] for r in rows} == {f"hf:someorg/code_set@train:{i}" for i in range(8)}
+    assert seen == [(True, True)]
+    assert not huggingface_hub.constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE
+    with pytest.raises(ValueError, match="not in the local HF cache or a local path"):
+        build_rows(cfg.model_copy(update={"source": "hf:someorg/missing"}), tokenizer)
+    assert seen[-1] == (True, True) and not huggingface_hub.constants.HF_HUB_OFFLINE
+
+    before = version_extra(cfg)
+    assert version_extra(cfg) == before
+    fake_hub_cache(hf_cache, "someorg/code_set", [{"text": t} for t in texts[:-1]], tmp_path)
+    assert version_extra(cfg) != before
+
+
+def test_bad_hf_sources_are_one_line_errors(tokenizer, tmp_path, hf_cache):
+    for bad in ("hf:", "hf:name@", "hf:name:@train", "hf:not a name"):
+        with pytest.raises(ValueError, match=r"hf:NAME\[:CONFIG\]\[@SPLIT\]|neither an existing"):
+            PromptsConfig(source=bad)
+    saved = tmp_path / "saved"
+    datasets.DatasetDict(
+        {
+            "a": datasets.Dataset.from_dict({"text": ["x = 1\n"]}),
+            "b": datasets.Dataset.from_dict({"text": ["y = 2\n"]}),
+        }
+    ).save_to_disk(saved)
+    datasets.Dataset.from_dict({"prompt": ["x"]}).save_to_disk(tmp_path / "cols")
+    (tmp_path / "data.txt").write_text("x\n")
+    cases = {
+        f"hf:{saved}": r"has splits \['a', 'b'\]; pick one, e\.g\. hf:.*@a",
+        f"hf:{saved}@c": r"has no split 'c'; splits: \['a', 'b'\]",
+        f"hf:{saved}:cfg@a": "save_to_disk directory, which has no configs; drop :cfg",
+        f"hf:{tmp_path / 'cols'}@train": "holds a single split .* drop @train",
+        f"hf:{tmp_path / 'cols'}": r"has columns \['prompt'\]; a prompt source needs `text`",
+        f"hf:{tmp_path / 'nope'}": "does not exist",
+        f"hf:{tmp_path / 'data.txt'}": "not a data file datasets reads here",
+        "hf:someorg/absent:cfg@train": r"download it first with .*load_dataset\('someorg/absent', 'cfg'\)",
+    }
+    for source, message in cases.items():
+        cfg = PromptsConfig(source=source)
+        with pytest.raises(ValueError, match=message) as e:
+            build_rows(cfg, tokenizer)
+        assert "\n" not in str(e.value), source
