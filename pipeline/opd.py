@@ -825,4 +825,5 @@ STAGE = Stage(
     default_inputs={"drafter": "sft@latest"},
     per_round=True,
     drafting={"val_ttt_steps": "k"},
+    ddp=True,
 )

@@ -128,14 +128,21 @@ def run_stage(
         if done:
             log.info("[%s] resuming %s from %d completed shard(s)", stage.name, writer.ref, done)
         meta = stage.run(cfg, inputs, writer, rank, world_size, ctx) or {}
-        if world_size > 1:
-            writer.rank_done()
-            if writer.ranks_done() != list(range(world_size)):
-                return StageResult(None, False, time.perf_counter() - t0)  # type: ignore[arg-type]
         if stage.uses_target:
             meta = {**meta, **ctx.target_loader.record()}
-        _check_not_empty(stage, writer, inputs)
-        ds = writer.commit(meta=meta)
+        if world_size == 1:
+            _check_not_empty(stage, writer, inputs)
+            ds = writer.commit(meta=meta)
+        else:
+            # The last rank to finish commits, once: the others return without a dataset.
+            writer.rank_done()
+            with writer.commit_lock():
+                if writer.exists():
+                    return StageResult(ctx.store.open(writer.ref), False, time.perf_counter() - t0)
+                if writer.ranks_done() != list(range(world_size)):
+                    return StageResult(None, False, time.perf_counter() - t0)  # type: ignore[arg-type]
+                _check_not_empty(stage, writer, inputs)
+                ds = writer.commit(meta=meta)
     seconds = time.perf_counter() - t0
     log.info("[%s] wrote %s (%d rows, %.1fs)", stage.name, ds.ref, ds.num_rows, seconds)
     return StageResult(ds, False, seconds)

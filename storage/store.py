@@ -437,6 +437,20 @@ class DatasetWriter:
                 raise OpdError(f"ranks {others} did not finish within {timeout_s:.0f}s of rank 0")
             time.sleep(0.1)
 
+    @contextlib.contextmanager
+    def commit_lock(self) -> Iterator[None]:
+        """Held by the rank deciding whether to commit: two ranks finishing together must not
+        both find every rank done and both commit (the second would list no shards)."""
+        fd = os.open(
+            self.dir.parent / f".{self.version}.commit.lock", os.O_RDWR | os.O_CREAT, 0o644
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
     def __exit__(self, *exc: object) -> None:
         self.dir = self.final_dir
         if self._lock_fd is not None:
