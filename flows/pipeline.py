@@ -81,8 +81,11 @@ def _fan_out(
 ) -> StageResult:
     ref = planned_ref(step.stage, step.cfg, inputs, ctx)
     force = step.key in forced
-    fans = step.stage.sharded or (step.stage.ddp and ranks > 1)
-    if (ctx.store.exists(ref) and not force) or not fans:
+    # A committed sharded step still fans out: each rank finds it and returns at once (and
+    # checks it computes the same version as the flow).
+    cached = ctx.store.exists(ref) and not force
+    trains = step.stage.ddp and ranks > 1 and not cached
+    if not (step.stage.sharded or trains):
         return stage_task.with_options(task_run_name=f"{step.key}:{ref}")(step, inputs, ctx, force)
     t0 = time.perf_counter()
     refs = {role: str(ds.ref) for role, ds in inputs.items()}
@@ -103,12 +106,13 @@ def _fan_out(
                 r,
                 ranks,
                 str(ref),
-            )  # fmt: skip
+            )
             for r in range(ranks)
         ]
-        for f in futures:
-            f.result()  # raises the first failed rank's error, which names the rank
-    return StageResult(ctx.store.open(ref), False, time.perf_counter() - t0)
+        # Rank 0 may wait for the others inside its stage: their errors (naming the rank) first.
+        for f in reversed(futures):
+            f.result()
+    return StageResult(ctx.store.open(ref), cached, time.perf_counter() - t0)
 
 
 @flow(name="opd-chain", validate_parameters=False, persist_result=False)
@@ -123,7 +127,7 @@ def fan_out_flow(
     return run_chain(steps, ctx, execute=execute)
 
 
-def _dask_runner(workers: int | None, dask_address: str | None):
+def dask_runner(workers: int | None, dask_address: str | None):
     """(task runner, ranks) for the fan-out; checks a given scheduler answers before any work."""
     from prefect_dask import DaskTaskRunner
 
@@ -189,7 +193,7 @@ def opd_pipeline(
         raise OpdError(f"unknown chain {chain!r}; chains: {', '.join(CHAINS)}")
     check_run_name(run_name)
     fan_out = workers is not None or bool(dask_address)
-    runner, ranks = _dask_runner(workers, dask_address) if fan_out else (None, 1)
+    runner, ranks = dask_runner(workers, dask_address) if fan_out else (None, 1)
     sets = list(overrides or []) + ([f"rounds={rounds}"] if rounds is not None else [])
     cfg = load_config(profile, None, sets)
     store = Store(root) if root else Store()

@@ -127,7 +127,12 @@ def run_stage(
         done = len(writer.completed_shards())
         if done:
             log.info("[%s] resuming %s from %d completed shard(s)", stage.name, writer.ref, done)
-        meta = stage.run(cfg, inputs, writer, rank, world_size, ctx) or {}
+        try:
+            meta = stage.run(cfg, inputs, writer, rank, world_size, ctx) or {}
+        except Exception:
+            if world_size > 1:
+                writer.rank_failed()
+            raise
         if stage.uses_target:
             meta = {**meta, **ctx.target_loader.record()}
         if world_size == 1:
