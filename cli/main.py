@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from storage import OpdError, Store, check_run_name, default_root
+
+if TYPE_CHECKING:
+    from pipeline.distributed import Ranks
+    from pipeline.profiles import PipelineConfig
 
 _PROFILE_HELP = (
     "Config profile [default: the target the input datasets were made with, else 'default']."
@@ -272,7 +276,7 @@ def run_cmd(
 def _run(
     store: Store,
     stage: str,
-    cfg: Any,
+    cfg: PipelineConfig,
     profile: str | None,
     config_file: Path | None,
     sets: tuple[str, ...],
@@ -282,7 +286,7 @@ def _run(
     *,
     progress: bool,
     use_prefect: bool = False,
-    ranks: Any = None,
+    ranks: Ranks | None = None,
 ) -> None:
     """`opd run` in this process: alone, or as one rank of a torchrun launch (`ranks`)."""
     from pipeline import distributed

@@ -17,6 +17,7 @@ Prefect flow reuses `run_rank` for its fan-out: one task per rank, each in its o
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import json
@@ -36,6 +37,13 @@ from pipeline.targets import TargetConfig, TargetLoader
 from storage import Dataset, OpdError, Store
 
 log = logging.getLogger("opd")
+
+
+BARRIER_TIMEOUT = datetime.timedelta(hours=6)
+"""How long a rank waits at a collective. Ranks wait at a barrier while rank 0 alone runs
+evaluate or prompts, or while the slowest rank finishes its shards: the 10-30 min defaults of
+NCCL/gloo would kill healthy long stages. A crashed rank does not leave the others waiting
+this long: torchrun stops them all."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ def init(ranks: Ranks) -> str:
     else:
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=BARRIER_TIMEOUT)
     return backend
 
 

@@ -4,8 +4,9 @@ A stage is its module's `STAGE` record (`pipeline.stage.Stage`): a typed config 
 `run(cfg, inputs, output, rank, world_size, ctx) -> meta` that writes the shards. The runner
 owns everything around that: that every input is a kind its role reads, the version (config +
 input versions + the target's identity when the stage uses one), skipping work that exists,
-the per-rank writer, the commit, and logging which versions were read and written. Plain
-Python: flows/ calls it as tasks.
+the per-rank writer, the commit, and logging which versions were read and written. With
+several ranks each writes its shards and marks itself done; the last one to finish commits,
+once (`pipeline.distributed` runs the ranks). Plain Python: flows/ calls it as tasks.
 """
 
 from __future__ import annotations

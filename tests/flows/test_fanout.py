@@ -30,3 +30,6 @@ def test_a_dask_address_that_does_not_answer_is_one_error_and_writes_nothing(tmp
     with pytest.raises(OpdError, match=f"no Dask scheduler answers at tcp://127.0.0.1:{port}"):
         opd_pipeline(profile="tiny", root=str(root), dask_address=f"tcp://127.0.0.1:{port}")
     assert not root.exists()
+    with pytest.raises(OpdError, match="workers must be >= 1"):
+        opd_pipeline(profile="tiny", root=str(root), workers=0)
+    assert not root.exists()
