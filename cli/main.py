@@ -242,7 +242,7 @@ def run_cmd(
             "--nproc launches processes, but this one already runs under torchrun (WORLD_SIZE "
             "is set): leave --nproc out; torchrun's --nproc-per-node sets the processes"
         )
-    if (nproc or 1) > 1 and use_prefect or ranks is not None and use_prefect:
+    if use_prefect and ((nproc or 1) > 1 or ranks is not None):
         raise OpdError(
             "--prefect runs in one process: drop --nproc/torchrun, or fan out with the flow's "
             "`workers` parameter (see README, Scaling out)"
