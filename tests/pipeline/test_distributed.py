@@ -18,7 +18,7 @@ from pipeline import drafters, features, generate
 from pipeline.profiles import load_config
 from pipeline.runner import RunContext, planned_ref, run_stage
 from pipeline.targets import TargetLoader
-from storage import Store
+from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -150,3 +150,25 @@ def test_two_gloo_ranks_train_the_schedule_and_losses_of_one_process(tiny):
     # rows, weighted by token share: exact for step 0, within ~2e-4 relative for later steps
     # (measured over these 24 steps); consecutive steps, on other rows, differ by 1-3 %.
     assert ranked["loss"].to_list() == pytest.approx(single["loss"].to_list(), rel=1e-3)
+
+
+def test_a_fan_out_rank_refuses_another_version_and_names_itself_when_it_fails(tiny):
+    from pipeline import distributed
+    from pipeline.chains import single_step
+
+    store, ctx, cfg, prompts = tiny
+    step = single_step("generate", cfg)
+    ref = planned_ref(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx)
+    kw = dict(root=str(store.root), target=cfg.target, run_name="default", force=False)
+    refs = {"prompts": str(prompts.ref)}
+    with pytest.raises(OpdError, match="rank 0 of 2: this worker computes .* flow planned"):
+        distributed.run_rank(step, refs, **kw, rank=0, world_size=2, expected="trajectories@0")
+    assert not (store.root / "trajectories").exists()  # refused before any work
+    blocker = store.dataset_dir(ref.name, ref.version) / "part-00001.parquet"
+    blocker.mkdir(parents=True)
+    with pytest.raises(OpdError, match="step generate failed on rank 1 of 2: could not write"):
+        distributed.run_rank(step, refs, **kw, rank=1, world_size=2, expected=str(ref))
+    blocker.rmdir()
+    assert distributed.run_rank(step, refs, **kw, rank=0, world_size=2, expected=str(ref)) is None
+    done = distributed.run_rank(step, refs, **kw, rank=1, world_size=2, expected=str(ref))
+    assert done == str(ref) and store.open(done).num_rows == 12  # the last rank committed
