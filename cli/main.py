@@ -263,9 +263,9 @@ def run_cmd(
         _setup_logging()
         _run(*args, use_prefect=use_prefect, progress=not no_progress)
         return
-    distributed.init(ranks)
     _setup_logging(f"[rank {ranks.rank}/{ranks.world_size}] ")
     try:
+        distributed.init(ranks)
         # Progress bars of several ranks would overwrite each other: rank 0 draws them.
         _run(*args, progress=not no_progress and ranks.rank == 0, ranks=ranks)
     except OpdError as e:

@@ -74,7 +74,13 @@ def init(ranks: Ranks) -> str:
     """Join the process group torchrun set up (MASTER_ADDR/PORT in the environment); returns the
     backend. The rank's GPU becomes the current device, so `cuda` and `auto` devices mean it."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        if ranks.local_rank >= gpus:  # NCCL refuses two ranks on one GPU, and says it obscurely
+            raise OpdError(
+                f"LOCAL_RANK {ranks.local_rank} but this node has {gpus} GPU(s): start at most "
+                f"{gpus} processes per node (--nproc / torchrun --nproc-per-node)"
+            )
+        torch.cuda.set_device(ranks.local_rank)
         backend = "nccl"
     else:
         backend = "gloo"
