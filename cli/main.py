@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from storage import OpdError, Store, check_run_name, default_root
+
+if TYPE_CHECKING:
+    from pipeline.distributed import Ranks
+    from pipeline.profiles import PipelineConfig
 
 _PROFILE_HELP = (
     "Config profile [default: the target the input datasets were made with, else 'default']."
@@ -132,10 +136,12 @@ def gc_cmd(store: Store, dry_run: bool) -> None:
     click.echo(f"{verb} {len(removed)} path(s)")
 
 
-def _setup_logging() -> None:
+def _setup_logging(prefix: str = "") -> None:
     import logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"
+    )
 
 
 class _RunCommand(click.Command):
@@ -199,6 +205,14 @@ class _RunCommand(click.Command):
     help="Run as a Prefect flow (in-process, no server needed).",
 )
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+@click.option(
+    "--nproc",
+    type=int,
+    default=None,
+    help="Run as N processes through torch's launcher (torch.distributed.run): sharded stages "
+    "split their shards by rank into one dataset, sft and opd train with DDP. Under an external "
+    "torchrun leave it out.",
+)
 @click.pass_obj
 def run_cmd(
     store: Store,
@@ -211,24 +225,77 @@ def run_cmd(
     run_name: str,
     use_prefect: bool,
     no_progress: bool,
+    nproc: int | None,
 ) -> None:
     """Run one STAGE on the latest (or given) inputs, or a chain (sft-chain, full).
 
     Work whose version already exists is skipped; the produced refs are printed.
     """
-    from pipeline.chains import CHAINS, record_results, run_chain, single_step
+    from pipeline import distributed
     from pipeline.profiles import load_config
+
+    ranks = distributed.env_ranks()
+    if nproc is not None and nproc < 1:
+        raise OpdError(f"--nproc must be >= 1 (processes to launch), got {nproc}")
+    if nproc is not None and ranks is not None:
+        raise OpdError(
+            "--nproc launches processes, but this one already runs under torchrun (WORLD_SIZE "
+            "is set): leave --nproc out; torchrun's --nproc-per-node sets the processes"
+        )
+    if use_prefect and ((nproc or 1) > 1 or ranks is not None):
+        raise OpdError(
+            "--prefect runs in one process: drop --nproc/torchrun, or fan out with the flow's "
+            "`workers` parameter (see README, Scaling out)"
+        )
+    check_run_name(run_name)  # before any work: a bad name must not fail a finished run
+    cfg = load_config(profile or "default", config_file, list(sets))
+    if nproc is not None and nproc > 1:
+        argv = ["--root", str(store.root), "run", stage, "--run-name", run_name]
+        argv += ["--profile", profile] if profile else []
+        argv += ["--config", str(config_file)] if config_file else []
+        argv += [a for s in sets for a in ("--set", s)]
+        argv += [a for r in input_refs for a in ("--input", r)]
+        argv += ["--force"] * force + ["--no-progress"] * no_progress
+        distributed.launch(nproc, argv)
+        return
+    args = (store, stage, cfg, profile, config_file, sets, input_refs, force, run_name)
+    if ranks is None or ranks.world_size == 1:
+        _setup_logging()
+        _run(*args, use_prefect=use_prefect, progress=not no_progress)
+        return
+    _setup_logging(f"[rank {ranks.rank}/{ranks.world_size}] ")
+    try:
+        distributed.init(ranks)
+        # Progress bars of several ranks would overwrite each other: rank 0 draws them.
+        _run(*args, progress=not no_progress and ranks.rank == 0, ranks=ranks)
+    except OpdError as e:
+        raise distributed.failed("opd run", ranks.rank, ranks.world_size, e) from None
+    distributed.finish()
+
+
+def _run(
+    store: Store,
+    stage: str,
+    cfg: PipelineConfig,
+    profile: str | None,
+    config_file: Path | None,
+    sets: tuple[str, ...],
+    input_refs: tuple[str, ...],
+    force: bool,
+    run_name: str,
+    *,
+    progress: bool,
+    use_prefect: bool = False,
+    ranks: Ranks | None = None,
+) -> None:
+    """`opd run` in this process: alone, or as one rank of a torchrun launch (`ranks`)."""
+    from pipeline import distributed
+    from pipeline.chains import CHAINS, record_results, run_chain, single_step
     from pipeline.runner import RunContext
     from pipeline.targets import TargetLoader, target_for
 
-    check_run_name(run_name)  # before any work: a bad name must not fail a finished run
-    _setup_logging()
-    cfg = load_config(profile or "default", config_file, list(sets))
     ctx = RunContext(
-        store=store,
-        target_loader=TargetLoader(cfg.target),
-        progress=not no_progress,
-        run_name=run_name,
+        store=store, target_loader=TargetLoader(cfg.target), progress=progress, run_name=run_name
     )
     if stage in CHAINS:
         steps = CHAINS[stage](cfg)
@@ -255,7 +322,13 @@ def run_cmd(
         ctx.target_loader = TargetLoader(cfg.target)
         steps = [step]
         forced = {step.key} if force else set()
-    if use_prefect:
+    if ranks is not None:
+        what = (stage, cfg.model_dump(mode="json"), {r: str(d.ref) for r, d in external.items()})
+        distributed.check_same_config(distributed.fingerprint(*what, sorted(forced), run_name))
+        results = distributed.run_steps(steps, ctx, ranks, external=external, force=forced)
+        if ranks.rank != 0:  # rank 0 records and reports the run
+            return
+    elif use_prefect:
         from flows.pipeline import run_steps_flow
 
         results = run_steps_flow(steps, ctx, external, forced)

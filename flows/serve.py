@@ -1,7 +1,7 @@
 """`opd serve`: register the deployments with a Prefect server and run them in this process.
 
 Deployments: `opd-pipeline/full` (the whole pipeline; parameters profile, overrides, rounds,
-stages, chain, run_name, root). Re-running single stages on cached shards goes through the
+stages, chain, run_name, root, workers, dask_address). Re-running single stages on cached shards goes through the
 same deployment's `stages` parameter, e.g. `-p 'stages=["score-r1"]'`.
 """
 

@@ -184,6 +184,7 @@ class ReplayBatch:
     replay_length: Tensor  # [N] verified tokens of each replay (K, or up to a drafted EOS)
     teacher_hidden: Tensor  # [N, K, H] bf16
     anchor_rows: Tensor  # [B, T] bool
+    share: float = 1.0  # this rank's share of the step's tokens (training.PaddedBatch.share)
 
     @property
     def row_steps(self) -> int:
@@ -377,7 +378,8 @@ def _step_costs(
     cfg: Config,
     world_size: int,
 ) -> list[int]:
-    """Row-steps of each optimizer step of one epoch, summed over ranks (matches FeatureLoader)."""
+    """Row-steps of each optimizer step of one epoch, all ranks' parts together (the same plan
+    for any number of ranks, as FeatureLoader splits each batch across them)."""
     plan = training.plan_batches(
         lengths,
         rows,
@@ -388,8 +390,7 @@ def _step_costs(
         shuffle=True,
         world_size=world_size,
     )
-    per_batch = [int(lengths[b].sum()) * steps_per_row for b in plan]
-    return [sum(per_batch[i : i + world_size]) for i in range(0, len(per_batch), world_size)]
+    return [int(lengths[b].sum()) * steps_per_row for b in plan]
 
 
 def steps_for_budget(budget: int, step_cost: Callable[[int], int]) -> int:
@@ -842,4 +843,5 @@ STAGE = Stage(
     default_inputs={"drafter": "sft@latest"},
     per_round=True,
     drafting={"val_ttt_steps": "k"},
+    ddp=True,
 )

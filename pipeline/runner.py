@@ -4,8 +4,9 @@ A stage is its module's `STAGE` record (`pipeline.stage.Stage`): a typed config 
 `run(cfg, inputs, output, rank, world_size, ctx) -> meta` that writes the shards. The runner
 owns everything around that: that every input is a kind its role reads, the version (config +
 input versions + the target's identity when the stage uses one), skipping work that exists,
-the per-rank writer, the commit, and logging which versions were read and written. Plain
-Python: flows/ calls it as tasks.
+the per-rank writer, the commit, and logging which versions were read and written. With
+several ranks each writes its shards and marks itself done; the last one to finish commits,
+once (`pipeline.distributed` runs the ranks). Plain Python: flows/ calls it as tasks.
 """
 
 from __future__ import annotations
@@ -146,15 +147,28 @@ def run_stage(
         try:
             meta = stage.run(cfg, inputs, writer, rank, world_size, ctx) or {}
         except torch.OutOfMemoryError:
+            if world_size > 1:
+                writer.rank_failed()
             raise OpdError(_out_of_memory(stage, cfg, rank)) from None
-        if world_size > 1:
-            writer.rank_done()
-            if writer.ranks_done() != list(range(world_size)):
-                return StageResult(None, False, time.perf_counter() - t0)  # type: ignore[arg-type]
+        except Exception:
+            if world_size > 1:
+                writer.rank_failed()
+            raise
         if stage.uses_target:
             meta = {**meta, **ctx.target_loader.record()}
-        _check_not_empty(stage, writer, inputs)
-        ds = writer.commit(meta=meta)
+        if world_size == 1:
+            _check_not_empty(stage, writer, inputs)
+            ds = writer.commit(meta=meta)
+        else:
+            # The last rank to finish commits, once: the others return without a dataset.
+            writer.rank_done()
+            with writer.commit_lock():
+                if writer.exists():
+                    return StageResult(ctx.store.open(writer.ref), False, time.perf_counter() - t0)
+                if writer.ranks_done() != list(range(world_size)):
+                    return StageResult(None, False, time.perf_counter() - t0)  # type: ignore[arg-type]
+                _check_not_empty(stage, writer, inputs)
+                ds = writer.commit(meta=meta)
     seconds = time.perf_counter() - t0
     log.info("[%s] wrote %s (%d rows, %.1fs)", stage.name, ds.ref, ds.num_rows, seconds)
     return StageResult(ds, False, seconds)

@@ -299,4 +299,5 @@ STAGE = Stage(
     # Continued SFT: start from a trained drafter; train on more feature sets (same map) too.
     optional_inputs={"drafter": DRAFTER_KINDS, "more_features": ("features", "rollouts")},
     drafting={"ttt_steps": "ttt_steps", "tau_k": "k"},
+    ddp=True,
 )

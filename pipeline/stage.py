@@ -46,6 +46,9 @@ class Stage:
     sharded: bool = False
     """Work is split into shards by rank (generate, features, rollout, score); otherwise rank 0
     writes (and training stages run DDP)."""
+    ddp: bool = False
+    """Every rank trains (DistributedDataParallel) and rank 0 writes: under torchrun all ranks
+    run it; a stage that is neither sharded nor ddp runs on rank 0 alone."""
     per_round: bool = False
     """Repeated once per Draft-OPD round as `<name>-r<round>`; its config has a `round` field."""
     may_be_empty: bool = False

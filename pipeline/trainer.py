@@ -247,18 +247,26 @@ class Trainer:
         row = validate(step)
         self.metrics.append(empty_row(self.schema, "val", step, step / self.per_epoch) | row)
 
-    def _optimizer_step(self, out: StepOutput, params: list[nn.Parameter], lr: float) -> dict:
-        out.loss.backward()
+    def _optimizer_step(
+        self, out: StepOutput, share: float, params: list[nn.Parameter], lr: float
+    ) -> dict:
+        # DDP averages gradients over the W ranks; weighing each rank's loss by W x its share of
+        # the step's tokens makes that the token-weighted gradient of the whole batch, as one
+        # process computes it (exactly for token-mean losses, closely for per-step means).
+        world = training.world_size()
+        (out.loss * (share * world if world > 1 else 1.0)).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
+        counted = 1 if share > 0 else 0  # a stand-in row is not data
         sums = torch.tensor(
-            [float(out.loss.detach()), out.tokens, out.row_steps, 1.0], dtype=torch.float64
+            [float(out.loss.detach()) * share, out.tokens * counted, out.row_steps * counted],
+            dtype=torch.float64,
         )
-        training.all_reduce_sum(sums)  # [loss, tokens, row_steps, ranks]
+        training.all_reduce_sum(sums)  # [loss, tokens, row_steps]
         return {
-            "loss": float(sums[0] / sums[3]),
+            "loss": float(sums[0]),
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens": int(sums[1]),
@@ -289,7 +297,8 @@ class Trainer:
                 for batch in batches:
                     t0 = time.perf_counter()
                     lr = self.schedule.lr
-                    row = self._optimizer_step(loss_step(forward, batch, self.step), params, lr)
+                    out = loss_step(forward, batch, self.step)
+                    row = self._optimizer_step(out, batch.share, params, lr)
                     self.step += 1
                     step = self.step
                     row["tokens_per_s"] = row["tokens"] / max(time.perf_counter() - t0, 1e-9)

@@ -68,6 +68,10 @@ def resolve_ranks(rank: int, world_size: int) -> tuple[int, int]:
     return rank, world_size
 
 
+def world_size() -> int:
+    return dist.get_world_size() if distributed() else 1
+
+
 def wrap_ddp(module: nn.Module) -> nn.Module:
     """DistributedDataParallel around `module` when several ranks train, else `module` itself."""
     if not distributed() or dist.get_world_size() == 1:
@@ -126,6 +130,9 @@ class PaddedBatch:
     columns: dict[str, Tensor]
     lengths: Tensor  # [B] int64
     rows: Tensor  # [B] row ids in the FeatureIndex
+    share: float = 1.0
+    """This rank's share of the optimizer step's tokens (DDP weighs its loss by it); 0 for a
+    stand-in row on a rank that a batch of fewer rows than ranks left without one."""
 
     def __getitem__(self, name: str) -> Tensor:
         return self.columns[name]
@@ -248,13 +255,14 @@ def plan_batches(
     world_size: int,
     equal_ranks: bool = True,
 ) -> list[list[int]]:
-    """All ranks' batches of one epoch, in order; rank r takes batches r, r + W, r + 2W, ...
+    """The batches of one epoch, in order: the same for any `world_size`.
 
     A batch holds at most `batch_size` rows and `max_tokens` padded tokens (rows x longest
     row). Shuffled rows are sorted by length inside windows of 64 batches, so a batch holds
     similar lengths (little padding) while the data order stays random across windows. With
-    `equal_ranks` the largest batches are halved until every rank gets the same number of
-    batches: every row is still seen exactly once per epoch and DDP ranks step together.
+    `equal_ranks` (training) every batch is one optimizer step, split across the DDP ranks
+    (`FeatureLoader`), so 1 and N processes follow the same schedule; without it (evaluation)
+    rank r takes batches r, r + W, r + 2W, ...
     """
     rows = np.asarray(rows, dtype=np.int64)
     if len(rows) == 0:
@@ -290,16 +298,11 @@ def plan_batches(
     batches.append(current)
     if shuffle:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
-    if equal_ranks:
-        if len(rows) < world_size:
-            raise OpdError(
-                f"{len(rows)} training sequences cannot feed {world_size} ranks: "
-                "add data or use fewer ranks"
-            )
-        while len(batches) % world_size:
-            i = max(range(len(batches)), key=lambda b: len(batches[b]))
-            half = len(batches[i]) // 2
-            batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
+    if equal_ranks and len(rows) < world_size:
+        raise OpdError(
+            f"{len(rows)} training sequences cannot feed {world_size} ranks: "
+            "add data or use fewer ranks"
+        )
     return batches
 
 
@@ -346,6 +349,14 @@ class FeatureLoader:
 
     def plan(self, epoch: int) -> list[list[int]]:
         """This rank's batches (row ids) of `epoch`."""
+        return [rows for rows, _ in self._parts(epoch)]
+
+    def _parts(self, epoch: int) -> list[tuple[list[int], float]]:
+        """(row ids, share of the step's tokens) of this rank's batches of `epoch`.
+
+        Training splits each planned batch across the ranks (rows r, r + W, ...; similar lengths
+        sit side by side, so the shares come out even). A rank a short batch leaves empty runs
+        its first row with share 0: DDP needs every rank in every step, the row adds nothing."""
         batches = plan_batches(
             self.index.lengths,
             self.rows,
@@ -357,7 +368,15 @@ class FeatureLoader:
             world_size=self.world_size,
             equal_ranks=self.equal_ranks,
         )
-        return batches[self.rank :: self.world_size]
+        if not self.equal_ranks:
+            return [(b, 1.0) for b in batches[self.rank :: self.world_size]]
+        parts = []
+        for b in batches:
+            mine = b[self.rank :: self.world_size]
+            total = int(self.index.lengths[b].sum())
+            share = int(self.index.lengths[mine].sum()) / total if mine else 0.0
+            parts.append((mine or b[:1], share))
+        return parts
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same every epoch)."""
@@ -369,10 +388,10 @@ class FeatureLoader:
         """Batches from batch `start` of `epoch` on, for `epochs` epochs (None = without end),
         prefetched across epoch boundaries. Close the iterator to stop early."""
 
-        def plans() -> Iterator[list[int]]:
+        def plans() -> Iterator[tuple[list[int], float]]:
             e, first = epoch, start
             while epochs is None or e < epoch + epochs:
-                yield from self.plan(e)[first:]
+                yield from self._parts(e)[first:]
                 e, first = e + 1, 0
 
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
@@ -386,11 +405,14 @@ class FeatureLoader:
 
         def produce() -> None:
             try:
-                for rows in plans():
+                for rows, share in plans():
                     if stop.is_set():
                         return
                     batch = self.index.collate(rows)
-                    put(batch.pin_memory() if self.pin_memory else batch)
+                    if self.pin_memory:
+                        batch = batch.pin_memory()
+                    batch.share = share
+                    put(batch)
                 put(_END)
             except BaseException as e:  # handed to the consumer, which re-raises it
                 put(e)

@@ -407,6 +407,8 @@ class DatasetWriter:
         if self.replace and _complete(self.final_dir):
             self.dir = self.store.staging_dir(self.name, self.version)
         self.dir.mkdir(exist_ok=True)
+        if self.world_size > 1:
+            self._failed_mark(self.rank).unlink(missing_ok=True)  # this attempt may succeed
         # Temporaries of a crashed writer are garbage; complete shards are kept. With several
         # ranks only this rank's temporaries are ours to remove.
         for tmp in self.dir.glob("**/.*.tmp-*"):
@@ -422,6 +424,15 @@ class DatasetWriter:
         self._require_lock()
         atomic_write_text(self.dir / f".rank-{self.rank}-of-{self.world_size}.done", now_iso())
 
+    def rank_failed(self) -> None:
+        """Mark this rank failed, so a rank waiting for it stops with an error instead of
+        waiting out its timeout (a re-run of the rank clears the mark)."""
+        self._require_lock()
+        atomic_write_text(self._failed_mark(self.rank), now_iso())
+
+    def _failed_mark(self, rank: int) -> Path:
+        return self.dir / f".rank-{rank}-of-{self.world_size}.failed"
+
     def ranks_done(self) -> list[int]:
         return sorted(
             int(p.name.split("-")[1]) for p in self.dir.glob(f".rank-*-of-{self.world_size}.done")
@@ -433,9 +444,29 @@ class DatasetWriter:
         others = list(range(1, self.world_size))
         deadline = time.monotonic() + timeout_s
         while [r for r in self.ranks_done() if r in others] != others:
+            failed = [r for r in others if self._failed_mark(r).exists()]
+            if failed:
+                raise OpdError(
+                    f"rank {failed[0]} of {self.world_size} failed (its own error says why); "
+                    "a re-run resumes from every rank's completed shards"
+                )
             if time.monotonic() > deadline:
                 raise OpdError(f"ranks {others} did not finish within {timeout_s:.0f}s of rank 0")
             time.sleep(0.1)
+
+    @contextlib.contextmanager
+    def commit_lock(self) -> Iterator[None]:
+        """Held by the rank deciding whether to commit: two ranks finishing together must not
+        both find every rank done and both commit (the second would list no shards)."""
+        fd = os.open(
+            self.dir.parent / f".{self.version}.commit.lock", os.O_RDWR | os.O_CREAT, 0o644
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
     def __exit__(self, *exc: object) -> None:
         self.dir = self.final_dir
@@ -553,7 +584,7 @@ class DatasetWriter:
             atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
         except OSError as e:
             raise disk_error(e, f"{self.ref} manifest") from e
-        for m in [*self.dir.glob("**/.*.meta.json"), *self.dir.glob(".rank-*.done")]:
+        for m in [*self.dir.glob("**/.*.meta.json"), *self.dir.glob(".rank-*")]:
             m.unlink()
         if self.dir != self.final_dir:
             self._swap_in()

@@ -267,12 +267,13 @@ def test_sft_under_ddp_with_two_gloo_ranks_commits_once(tiny_features, tmp_path)
     assert set(ds.shards()) == set(drafters.OUTPUT_FILES)
     ds.verify_all()
     m = pl.read_parquet(ds.file(drafters.METRICS_FILE)).filter(pl.col("kind") == "train")
-    # 10 training rows over 2 ranks: each step's token count is summed over both ranks' batches
+    # each step is one process's step, split over both ranks: its tokens are summed over them
     assert m["step"].to_list() == [1, 2, 3, 4]
     index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
     train_rows, _ = training.holdout_split(index.keys, 0.2, 0)
-    per_epoch = sum(int(index.lengths[r]) for r in train_rows)
-    assert sum(m["tokens"].to_list()) == 2 * per_epoch  # 4 steps = 2 epochs of 2 steps, all rows
+    one = training.FeatureLoader(index, train_rows, batch_size=4, max_tokens=4096)
+    plan = (one.plan(0) + one.plan(1))[:4]
+    assert m["tokens"].to_list() == [sum(int(index.lengths[r]) for r in b) for b in plan]
     assert (
         load_drafter(ds.path, ctx.target_loader.target.embed_weight).lm_head.weight.shape[0] == 512
     )

@@ -111,8 +111,9 @@ def test_collate_pads_right_with_zeros_and_keeps_values(index):
 def test_every_row_once_per_epoch_across_ranks(index, world_size):
     rows = list(range(17))
     seen_by_epoch = []
+    one = training.FeatureLoader(index, rows, batch_size=4, max_tokens=36, seed=3)
     for epoch in range(2):
-        seen, counts = [], []
+        seen, counts, steps = [], [], []
         for rank in range(world_size):
             loader = training.FeatureLoader(
                 index, rows, batch_size=4, max_tokens=36, seed=3, rank=rank, world_size=world_size
@@ -120,12 +121,18 @@ def test_every_row_once_per_epoch_across_ranks(index, world_size):
             batches = list(loader.iterate(epoch))
             assert len(batches) == len(loader)
             counts.append(len(batches))
+            steps.append(batches)
             for b in batches:
                 assert len(b.rows) <= 4 and len(b.rows) * int(b.lengths.max()) <= 36
                 assert b["input_ids"][:, 0].tolist() == [100 * r for r in b.rows.tolist()]
-                seen += b.rows.tolist()
+                seen += b.rows.tolist() if b.share > 0 else []  # share 0: a stand-in row
         assert sorted(seen) == rows  # each row exactly once
-        assert len(set(counts)) == 1  # DDP ranks step together
+        assert counts == [len(one)] * world_size  # DDP ranks step together, as one process
+        # step s of every rank together is step s of one process, the shares its tokens
+        for s, whole in enumerate(one.plan(epoch)):
+            parts = [batches[s] for batches in steps]
+            assert sorted(r for b in parts if b.share > 0 for r in b.rows.tolist()) == sorted(whole)
+            assert sum(b.share for b in parts) == pytest.approx(1.0)
         seen_by_epoch.append(seen)
     assert seen_by_epoch[0] != seen_by_epoch[1]  # reshuffled each epoch
 

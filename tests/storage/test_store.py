@@ -356,3 +356,20 @@ def test_sharded_writers_commit_only_when_every_rank_is_done(tmp_path):
         "part-r1.parquet",
     ]
     assert not [p for p in ds.path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_waiting_rank_stops_when_another_failed_and_a_rerun_clears_the_mark(tmp_path):
+    store = Store(tmp_path)
+    kw = dict(stage="rollout", stage_version="1", config={"n": 4})
+    writers = [store.writer("rollouts", rank=r, world_size=2, **kw) for r in range(2)]
+    with writers[1] as w1:
+        w1.rank_failed()
+    with writers[0] as w0, pytest.raises(OpdError, match="rank 1 of 2 failed"):
+        w0.wait_for_ranks(timeout_s=60)
+    with writers[1] as w1:  # the re-run of rank 1 takes its mark back, then finishes
+        w1.rank_done()
+    with writers[0] as w0:
+        w0.wait_for_ranks(timeout_s=60)
+        w0.rank_done()
+        ds = w0.commit()
+    assert not [p for p in ds.path.iterdir() if p.name.startswith(".")]
