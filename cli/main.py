@@ -271,6 +271,7 @@ def run_cmd(
         if info is not None:
             click.echo(f"export       {info['path']} (+ speculators/ beside it)")
             click.echo(f"serve with:  {info['vllm_command']}")
+            click.echo(f"trees:       {info['tree_note']}")
 
 
 def _states_target(
@@ -534,6 +535,7 @@ def export_cmd(
     )
     click.echo("serve it with:")
     click.echo(f"  {info['vllm_command']}")
+    click.echo(f"  ({info['tree_note']})")
 
 
 @cli.command("serve")

@@ -430,21 +430,23 @@ def _walk(
     temperature: float,
     gen: torch.Generator,
 ) -> dict[str, Tensor]:
-    """Accept along the tree (module docstring, step 3).
+    """Accept along the tree (module docstring, step 3), one depth at a time.
 
     logits [B, 1+N, V] (row 0: the root), parent / usable [B, 1+N]. Returns accepted [B],
     path [B, depth] (node index at each accepted depth, 0 past it), next [B] (the token after
     the path), and per node [B, 1+N]: p (target probability of the node's token at its parent),
     accept_prob, outcome (index into OUTCOMES).
+
+    The sequential sibling tests are done at once: after rejecting siblings 1..j-1 the residual
+    is p without their tokens, so sibling j is accepted with r_j(x_j) = p(x_j) / (1 - S_{j-1}),
+    S_{j-1} = p(x_1) + ... + p(x_{j-1}); the first sibling whose test passes is the one taken.
     """
     batch, width = parent.shape
     device = logits.device
     rows = torch.arange(batch, device=device)
     tokens = torch.cat([torch.zeros_like(parent[:, :1]), tree.tokens], dim=1)  # [B, 1+N]
     if temperature == 0:
-        # p is one-hot at argmax: a child is accepted iff it is the greedy token, a rejected
-        # one leaves the residual as it was, and the token after the path is the greedy one
-        greedy = logits.argmax(-1)  # [B, 1+N]
+        greedy = logits.argmax(-1)  # [B, 1+N]: p is one-hot there
         p_node = (tokens == greedy.gather(1, parent)).float()  # [B, 1+N]
     else:
         p_rows = torch.softmax(logits / temperature, dim=-1)  # [B, 1+N, V]
@@ -458,45 +460,41 @@ def _walk(
     children = torch.full((batch, width, k + 1), -1, dtype=torch.long, device=device)
     children.scatter_(2, rank, torch.arange(width, device=device).expand(batch, width, -1).clone())
     children = children[..., :k]  # column k collected the non-children
+    sibling = torch.arange(k, device=device)
 
     cur = torch.zeros(batch, dtype=torch.long, device=device)
     active = torch.ones(batch, dtype=torch.bool, device=device)
     accepted = torch.zeros(batch, dtype=torch.long, device=device)
     path = torch.zeros(batch, depth, dtype=torch.long, device=device)
-    final = None if temperature == 0 else torch.zeros_like(p_rows[:, 0])  # [B, V] next's law
+    final = None if temperature == 0 else p_rows[:, 0].clone()  # [B, V] law of the next token
     for d in range(depth):
-        residual = None if temperature == 0 else p_rows[rows, cur]  # [B, V]
-        chosen = torch.full_like(cur, -1)
-        for j in range(k):
-            child = children[rows, cur, j]
-            live = active & (chosen < 0) & (child >= 0)
-            node = child.clamp(min=0)
-            x = tokens[rows, node]
-            if temperature == 0:
-                px = (x == greedy[rows, cur]).float()
-                hit = live & (px > 0)
-            else:
-                px = residual.gather(1, x[:, None])[:, 0]
-                hit = live & _accept_child(px, gen)
-            rejected = live & ~hit
-            accept_prob[rows, node] = torch.where(live, px, accept_prob[rows, node])
-            outcome[rows, node] = torch.where(hit, 0, torch.where(rejected, 1, outcome[rows, node]))
-            chosen = torch.where(hit, child, chosen)
-            if temperature > 0:
-                residual = torch.where(rejected[:, None], _without(residual, x), residual)
-        moved = chosen >= 0
+        kids = children[rows, cur]  # [B, k]
+        live = (kids >= 0) & active[:, None]
+        node = kids.clamp(min=0)
+        px = p_node.gather(1, node) * live  # [B, k] p of each sibling's token at cur
+        before = px.cumsum(1) - px  # S_{j-1}
+        test = (px / (1 - before).clamp(min=1e-30)).clamp(max=1.0)  # r_j(x_j)
+        passed = live & _accept_child(test, gen)
+        first = torch.where(passed, sibling, k).min(1).values  # [B], k: none passed
+        moved = first < k
+        tried = live & (sibling <= first[:, None])
+        taken = kids.gather(1, first.clamp(max=k - 1)[:, None])[:, 0] if k else cur
+        accept_prob.scatter_(1, node, torch.where(tried, test, accept_prob.gather(1, node)))
+        verdict = torch.where(sibling == first[:, None], 0, 1)  # accepted / rejected
+        outcome.scatter_(1, node, torch.where(tried, verdict, outcome.gather(1, node)))
         if temperature > 0:
-            final = torch.where((active & ~moved)[:, None], residual, final)
-        cur = torch.where(moved, chosen, cur)
-        path[:, d] = torch.where(moved, chosen, 0)
+            stop = active & ~moved  # the residual after all of cur's children is the law
+            residual = _without(p_rows[rows, cur], tokens.gather(1, node), live)
+            final = torch.where(stop[:, None], residual, final)
+        cur = torch.where(moved, taken, cur)
+        path[:, d] = torch.where(moved, taken, 0)
         accepted += moved.long()
         active = moved & ~torch.isin(tokens[rows, cur], eos)
     if temperature == 0:
         nxt = greedy[rows, cur]
     else:
+        # rows still active accepted up to their depth budget: the bonus token, a sample of p
         final = torch.where(active[:, None], p_rows[rows, cur], final)
-        # rows that ended on an accepted EOS have no law left (zeros); their token is unused
-        final = torch.where(final.sum(-1, keepdim=True) > 0, final, p_rows[rows, cur])
         nxt = torch.multinomial(final, 1, generator=gen)[:, 0]
     return dict(
         accepted=accepted,
@@ -508,17 +506,19 @@ def _walk(
     )
 
 
-def _accept_child(px: Tensor, gen: torch.Generator) -> Tensor:
-    """Rejection test of a point-mass proposal x: accept with probability r(x) = px [B]."""
-    return torch.rand(px.shape, generator=gen, device=px.device) < px
+def _accept_child(test: Tensor, gen: torch.Generator) -> Tensor:
+    """The siblings' rejection tests [B, k]: each passes with its probability r_j(x_j)."""
+    return torch.rand(test.shape, generator=gen, device=test.device) < test
 
 
-def _without(residual: Tensor, x: Tensor) -> Tensor:
-    """The residual after rejecting x: norm(max(r - delta_x, 0)) = r with x removed, renormalised."""
-    removed = residual.scatter(1, x[:, None], 0.0)  # [B, V]
+def _without(p: Tensor, tokens: Tensor, rejected: Tensor) -> Tensor:
+    """The residual after rejecting `tokens` [B, k] where `rejected`: rejecting a point mass x
+    leaves norm(max(r - delta_x, 0)), r with x removed, so all of them: p without them,
+    renormalised. p [B, V]."""
+    removed = p.scatter(1, tokens, torch.where(rejected, 0.0, p.gather(1, tokens)))
     mass = removed.sum(-1, keepdim=True)
-    # mass 0 needs r(x) = 1, which always accepts: this fallback is never sampled from
-    return torch.where(mass > 0, removed / mass.clamp(min=1e-30), residual)
+    # mass 0 needs the rejected tokens to hold all of p, and then one of them was accepted
+    return torch.where(mass > 0, removed / mass.clamp(min=1e-30), p)
 
 
 # ---------------------------------------------------------------------------- results

@@ -584,23 +584,23 @@ def test_tree_sampling_law_equals_target(law_case, shape, temperature: float):
     assert sum(second) > 500
 
 
-def _accept_child_always(px, gen):
-    return torch.ones_like(px, dtype=torch.bool)
+def _accept_child_always(test, gen):
+    return torch.ones_like(test, dtype=torch.bool)
 
 
-def _keep_residual(residual, x):
-    return residual
+def _keep_p(p, tokens, rejected):  # the law after rejected siblings: p itself (no residual)
+    return p
 
 
-def _accept_by_q(px, gen):  # Leviathan's chain test with q = 1/top_k: wrong for point masses
-    return torch.rand(px.shape, generator=gen) < (px * 3).clamp(max=1)
+def _accept_by_q(test, gen):  # Leviathan's test with q = 1/top_k: wrong for point masses
+    return torch.rand(test.shape, generator=gen) < (test * 3).clamp(max=1)
 
 
 @pytest.mark.parametrize(
     ("name", "broken"),
     [
         ("_accept_child", _accept_child_always),
-        ("_without", _keep_residual),
+        ("_without", _keep_p),
         ("_accept_child", _accept_by_q),
     ],
 )
