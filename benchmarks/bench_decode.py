@@ -4,9 +4,17 @@ Reads (never writes) a data root, `--root` or OPD_HOME: the target of `--profile
 `default`), the drafter `--drafter` (default `opd@latest`) and the held-out split of
 `prompts@latest`. For each temperature (0, 1) and batch size (1, `--batch`) it runs, side by
 side on the same prompts, plain KV-cached decoding (`target_generate`), chain drafting with
-K = drafting.k (`speculative_generate`) and tree drafting at equal budget (`tree_generate`:
-depth = K, so both spend K drafter forwards and one target forward per step; top-k and token
-budget from drafting.tree, else EAGLE-2's 10 and 60). Per setting:
+K = drafting.k (`speculative_generate`) and two draft trees (`tree_generate`), both of depth K
+(K drafter forwards and one target forward per step, as the chain):
+
+- `tree`: at equal token budget, budget = K nodes verified per step, as the chain verifies K
+  drafts: the K most confident nodes of the dynamic tree instead of the top-1 chain;
+- `tree_wide`: budget `--tree-budget` (default 10): a wider tree for a verify forward that
+  costs more on this CPU (the target's cost grows with the tokens it verifies).
+
+Both expand `--tree-top-k` (default 4) nodes per depth. EAGLE-2's own setting (top-k 10,
+budget 60, `drafting.tree`'s defaults) is sized for GPUs, where verifying 60 tokens costs about
+what verifying 1 does; on this CPU it is far slower than a chain. Per setting:
 
 - tau (mean accepted + 1 per verify step) and target forwards per token (verify steps per
   emitted token, per sequence; the prefill and its token excluded; plain decoding: 1);
@@ -16,8 +24,8 @@ budget from drafting.tree, else EAGLE-2's 10 and 60). Per setting:
 - at T=0, whether the decoder's tokens equal plain greedy decoding's (`lossless`).
 
 Decoders alternate within a setting, after one untimed warm-up of each. The headline keys
-(batch 1) come first: speedup_{chain,tree}_t{0,1}, tau_{chain,tree}_t{0,1}; the full table is
-under `settings`. Prints one JSON object.
+(batch 1) come first: speedup_{chain,tree,tree_wide}_t{0,1}, tau_..._t{0,1} and the drafter's
+profile share; the full table is under `settings`. Prints one JSON object.
 
     .venv/bin/python -m benchmarks.bench_decode --root /work/opd-default [--drafter opd@latest]
 """
@@ -63,7 +71,8 @@ def load(root: str, profile: str, drafter_ref: str, n_prompts: int):
 def decode_all(
     kind: str, target, drafter, prompts, batch: int, temperature: float, k: int, tree, max_new
 ) -> dict[str, Any]:
-    """One decoder over all prompts in batches of `batch`: wall time, tokens and step counts."""
+    """One decoder over all prompts in batches of `batch`: wall time, tokens and step counts.
+    `tree`: the DraftTree of a tree kind (None for plain and chain)."""
     seqs: list[list[int]] = []
     steps = emitted = 0
     accepted: list[int] = []
@@ -108,15 +117,19 @@ def decode_all(
     return out
 
 
-def run_setting(target, drafter, prompts, temperature, batch, k, tree, max_new, repeats):
-    kinds = ("plain", "chain", "tree")
+def run_setting(target, drafter, prompts, temperature, batch, k, trees, max_new, repeats):
+    """All decoders on one (temperature, batch): best of `repeats`, speed-ups over plain."""
+    kinds = ("plain", "chain", *trees)
     for kind in kinds:  # warm-up: first-call allocations and kernels out of the timings
+        tree = trees.get(kind)
         decode_all(kind, target, drafter, prompts[:batch], batch, temperature, k, tree, 4)
     runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for _ in range(repeats):
         for kind in kinds:
             runs[kind].append(
-                decode_all(kind, target, drafter, prompts, batch, temperature, k, tree, max_new)
+                decode_all(
+                    kind, target, drafter, prompts, batch, temperature, k, trees.get(kind), max_new
+                )
             )
     out: dict[str, Any] = {"temperature": temperature, "batch": batch}
     best = {kind: min(r, key=lambda x: x["wall_s"]) for kind, r in runs.items()}
@@ -152,8 +165,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     parser.add_argument("--batch", type=int, default=8, help="the batched setting's batch size")
     parser.add_argument("--max-new", type=int, default=None, help="[profile: evaluate]")
-    parser.add_argument("--tree-top-k", type=int, default=None, help="[drafting.tree or 10]")
-    parser.add_argument("--tree-budget", type=int, default=None, help="[drafting.tree or 60]")
+    parser.add_argument("--tree-top-k", type=int, default=4)
+    parser.add_argument("--tree-budget", type=int, default=10, help="tree_wide's budget")
     parser.add_argument("--repeats", type=int, default=1, help="best of N per decoder")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -163,15 +176,13 @@ def main() -> None:
         root, args.profile, args.drafter, args.prompts
     )
     k = cfg.drafting.k
-    base = cfg.drafting.tree or DraftTree()
-    tree = DraftTree(
-        depth=k,
-        top_k=args.tree_top_k or base.top_k,
-        budget=args.tree_budget or base.budget,
-    )
+    trees = {
+        "tree": DraftTree(depth=k, top_k=args.tree_top_k, budget=k),
+        "tree_wide": DraftTree(depth=k, top_k=args.tree_top_k, budget=args.tree_budget),
+    }
     max_new = args.max_new or cfg.evaluate.max_new_tokens
     settings = [
-        run_setting(target, drafter, prompts, t, b, k, tree, max_new, args.repeats)
+        run_setting(target, drafter, prompts, t, b, k, trees, max_new, args.repeats)
         for t in (0.0, 1.0)
         for b in (1, args.batch)
     ]
@@ -179,7 +190,7 @@ def main() -> None:
     for s in settings:
         if s["batch"] == 1:
             t = int(s["temperature"])
-            for kind in ("chain", "tree"):
+            for kind in ("chain", *trees):
                 headline[f"speedup_{kind}_t{t}"] = s[kind]["speedup_vs_plain"]
                 headline[f"tau_{kind}_t{t}"] = s[kind]["tau"]
                 headline[f"drafter_share_{kind}_t{t}"] = s[kind]["drafter_share"]
@@ -193,7 +204,7 @@ def main() -> None:
         "target_layers": target.num_layers,
         "target_vocab": target.vocab_size,
         "k": k,
-        "tree": tree.model_dump(),
+        "trees": {name: tree.model_dump() for name, tree in trees.items()},
         "max_new_tokens": max_new,
         "threads": args.threads,
         "repeats": args.repeats,
