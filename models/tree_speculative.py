@@ -220,6 +220,7 @@ def tree_generate(
         node_depth = torch.cat([torch.zeros_like(last_tok), tree.depth], dim=1)  # [B, 1+N]
         verify_pos = (state.seq_len - 1)[:, None] + node_depth
         start = target.cache_length(state.cache)
+        ancestors = _ancestors(parent, depth)  # [B, 1+N, 1+N]
         with timer("target"):
             out = target.forward(
                 torch.cat([last_tok, tree.tokens], dim=1),
@@ -227,7 +228,7 @@ def tree_generate(
                 attention_mask=torch.cat(
                     [
                         state.t_valid[:, None].expand(-1, size + 1, -1),
-                        _ancestors(parent, depth),
+                        ancestors,
                     ],
                     dim=2,
                 ),  # [B, 1+N, S+1+N]
@@ -237,7 +238,10 @@ def tree_generate(
 
         # 3. accept along the tree ---------------------------------------------------------
         usable = (node_depth <= row_depth[:, None]) & (node_depth > 0)  # [B, 1+N]
-        walk = _walk(out.logits, tree, parent, usable, depth, eos, cfg.temperature, gen)
+        if cfg.temperature == 0:
+            walk = _walk_greedy(out.logits, tree, parent, usable, ancestors, depth, eos)
+        else:
+            walk = _walk(out.logits, tree, parent, usable, depth, eos, cfg.temperature, gen)
         accepted, path = walk["accepted"], walk["path"]  # [B], [B, depth] node indices
         tok_all = torch.cat([last_tok, tree.tokens], dim=1)  # [B, 1+N]
         path_tok = tok_all.gather(1, path)  # [B, depth]
@@ -420,6 +424,62 @@ def _ancestors(parent: Tensor, depth: int) -> Tensor:
 # ---------------------------------------------------------------------------- acceptance
 
 
+def _walk_greedy(
+    logits: Tensor,
+    tree: _Tree,
+    parent: Tensor,
+    usable: Tensor,
+    ancestors: Tensor,
+    depth: int,
+    eos: Tensor,
+) -> dict[str, Tensor]:
+    """`_walk` at T=0, without a loop: p is one-hot at argmax, so a node is accepted iff it and
+    every ancestor equal the target's greedy token at their parent (siblings are distinct
+    tokens, so at most one child of a node does) and no strict ancestor is an accepted EOS; a
+    child of the root or of an accepted node is rejected iff it ranks before the accepted
+    sibling (or none was accepted), as the sequential test would have tried it first.
+
+    ancestors [B, 1+N, 1+N] (see `_ancestors`); the rest as `_walk`.
+    """
+    batch, width = parent.shape
+    rows = torch.arange(batch, device=logits.device)
+    index = torch.arange(width, device=logits.device)
+    tokens = torch.cat([torch.zeros_like(parent[:, :1]), tree.tokens], dim=1)  # [B, 1+N]
+    greedy = logits.argmax(-1)  # [B, 1+N]
+    p_node = (tokens == greedy.gather(1, parent)).float()  # [B, 1+N]
+    good = (p_node > 0) & usable
+    good[:, 0] = True  # the root is committed
+    stops = torch.isin(tokens, eos) & usable  # an accepted EOS ends the path below it
+    strict = ancestors & (index[:, None] != index)  # [B, 1+N, 1+N]: strict ancestors
+    on_path = ~(strict & (~good | stops)[:, None, :]).any(-1) & good  # [B, 1+N]
+    on_path[:, 0] = False
+    accepted = on_path.sum(1)  # [B]
+    node_depth = torch.cat([torch.zeros_like(parent[:, :1]), tree.depth], dim=1)
+    path = torch.zeros(batch, depth + 1, dtype=torch.long, device=logits.device)
+    path.scatter_(1, torch.where(on_path, node_depth, 0), torch.where(on_path, index, 0))
+    path[:, 0] = 0  # it took every off-path node's scatter; it is the root (depth 0)
+    reached = torch.zeros_like(on_path)
+    reached[:, 0] = True
+    reached |= on_path & ~stops  # nodes whose children the walk tries
+    tried_under = reached.gather(1, parent) & usable  # children of reached nodes
+    taken = torch.full_like(parent, width).scatter_reduce(
+        1, parent, torch.where(on_path, index, width), reduce="amin"
+    )  # [B, 1+N]: per node, the index of its accepted child (width: none)
+    rejected = tried_under & ~on_path & (index < taken.gather(1, parent))
+    outcome = torch.full_like(parent, 2)
+    outcome[rejected] = 1
+    outcome[on_path] = 0
+    cur = path.gather(1, accepted[:, None])[:, 0]  # the last accepted node, or the root
+    return dict(
+        accepted=accepted,
+        path=path[:, 1:],
+        next=greedy[rows, cur],
+        p=p_node,
+        accept_prob=p_node,
+        outcome=outcome,
+    )
+
+
 def _walk(
     logits: Tensor,
     tree: _Tree,
@@ -430,7 +490,7 @@ def _walk(
     temperature: float,
     gen: torch.Generator,
 ) -> dict[str, Tensor]:
-    """Accept along the tree (module docstring, step 3), one depth at a time.
+    """Accept along the tree at T > 0 (module docstring, step 3), one depth at a time.
 
     logits [B, 1+N, V] (row 0: the root), parent / usable [B, 1+N]. Returns accepted [B],
     path [B, depth] (node index at each accepted depth, 0 past it), next [B] (the token after
@@ -445,12 +505,8 @@ def _walk(
     device = logits.device
     rows = torch.arange(batch, device=device)
     tokens = torch.cat([torch.zeros_like(parent[:, :1]), tree.tokens], dim=1)  # [B, 1+N]
-    if temperature == 0:
-        greedy = logits.argmax(-1)  # [B, 1+N]: p is one-hot there
-        p_node = (tokens == greedy.gather(1, parent)).float()  # [B, 1+N]
-    else:
-        p_rows = torch.softmax(logits / temperature, dim=-1)  # [B, 1+N, V]
-        p_node = p_rows[rows[:, None], parent, tokens]  # [B, 1+N]
+    p_rows = torch.softmax(logits / temperature, dim=-1)  # [B, 1+N, V]
+    p_node = p_rows[rows[:, None], parent, tokens]  # [B, 1+N]
     accept_prob = p_node.clone()
     outcome = torch.full((batch, width), 2, dtype=torch.long, device=device)
     # children[b, n, j]: node index of n's j-th usable child in confidence order, -1 past the last
@@ -466,7 +522,7 @@ def _walk(
     active = torch.ones(batch, dtype=torch.bool, device=device)
     accepted = torch.zeros(batch, dtype=torch.long, device=device)
     path = torch.zeros(batch, depth, dtype=torch.long, device=device)
-    final = None if temperature == 0 else p_rows[:, 0].clone()  # [B, V] law of the next token
+    final = p_rows[:, 0].clone()  # [B, V] law of the next token
     for d in range(depth):
         kids = children[rows, cur]  # [B, k]
         live = (kids >= 0) & active[:, None]
@@ -482,20 +538,16 @@ def _walk(
         accept_prob.scatter_(1, node, torch.where(tried, test, accept_prob.gather(1, node)))
         verdict = torch.where(sibling == first[:, None], 0, 1)  # accepted / rejected
         outcome.scatter_(1, node, torch.where(tried, verdict, outcome.gather(1, node)))
-        if temperature > 0:
-            stop = active & ~moved  # the residual after all of cur's children is the law
-            residual = _without(p_rows[rows, cur], tokens.gather(1, node), live)
-            final = torch.where(stop[:, None], residual, final)
+        stop = active & ~moved  # the residual after all of cur's children is the law
+        residual = _without(p_rows[rows, cur], tokens.gather(1, node), live)
+        final = torch.where(stop[:, None], residual, final)
         cur = torch.where(moved, taken, cur)
         path[:, d] = torch.where(moved, taken, 0)
         accepted += moved.long()
         active = moved & ~torch.isin(tokens[rows, cur], eos)
-    if temperature == 0:
-        nxt = greedy[rows, cur]
-    else:
-        # rows still active accepted up to their depth budget: the bonus token, a sample of p
-        final = torch.where(active[:, None], p_rows[rows, cur], final)
-        nxt = torch.multinomial(final, 1, generator=gen)[:, 0]
+    # rows still active accepted up to their depth budget: the bonus token, a sample of p
+    final = torch.where(active[:, None], p_rows[rows, cur], final)
+    nxt = torch.multinomial(final, 1, generator=gen)[:, 0]
     return dict(
         accepted=accepted,
         path=path,

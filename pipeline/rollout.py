@@ -368,17 +368,23 @@ def _write_shard(
 
 
 def summarize(output: DatasetWriter, cfg: Config) -> dict:
-    """tau and alpha per offset over every shard written so far (all ranks)."""
+    """tau and alpha per offset (per depth on trees) over every shard written so far (all ranks)."""
     files = [str(output.dir / s["path"]) for s in output.completed_shards()]
     steps = pl.read_parquet([f for f in files if "/steps-" in f])
     log_ = pl.scan_parquet([f for f in files if "/rejections-" in f])
-    alpha = dict(
-        log_.filter(pl.col("outcome") != "not_reached")
-        .group_by("offset")
-        .agg((pl.col("outcome") == "accepted").mean())
-        .collect()
-        .iter_rows()
-    )
+    if cfg.tree is None:
+        alpha = dict(
+            log_.filter(pl.col("outcome") != "not_reached")
+            .group_by("offset")
+            .agg((pl.col("outcome") == "accepted").mean())
+            .collect()
+            .iter_rows()
+        )
+    else:  # per depth: with siblings, per-node rates are not acceptance rates
+        by_depth = depth_alpha(
+            steps["accepted"].to_torch(), steps["depth"].to_torch(), cfg.tree.depth
+        )
+        alpha = {d: a for d, a in enumerate(by_depth, start=1) if a == a}  # NaN: never reached
     counts = dict(log_.group_by("outcome").len().collect().iter_rows())
     seqs = pl.scan_parquet([f for f in files if "/sequences-" in f])
     totals = (
@@ -390,11 +396,6 @@ def summarize(output: DatasetWriter, cfg: Config) -> dict:
         .collect()
         .row(0, named=True)
     )
-    if cfg.tree is not None:  # per depth: siblings make per-node rates moot
-        by_depth = depth_alpha(
-            steps["accepted"].to_torch(), steps["depth"].to_torch(), cfg.tree.depth
-        )
-        alpha = {d: a for d, a in enumerate(by_depth, start=1) if a == a}  # NaN: never reached
     return {
         "tau": float((steps["accepted"] + 1).mean()) if steps.height else None,
         "alpha": [alpha.get(o) for o in range(1, (cfg.tree.depth if cfg.tree else cfg.k) + 1)],
