@@ -10,7 +10,9 @@ K = drafting.k (`speculative_generate`) and two draft trees (`tree_generate`), b
 - `tree`: at equal token budget, budget = K nodes verified per step, as the chain verifies K
   drafts: the K most confident nodes of the dynamic tree instead of the top-1 chain;
 - `tree_wide`: budget `--tree-budget` (default 10): a wider tree for a verify forward that
-  costs more on this CPU (the target's cost grows with the tokens it verifies).
+  costs more on this CPU (the target's cost grows with the tokens it verifies);
+- `tree_stop`: `tree_wide` that stops expanding once no frontier path's joint drafter
+  probability reaches `--tree-min-confidence` (default 0.1), to spend fewer drafter forwards.
 
 Both expand `--tree-top-k` (default 4) nodes per depth. EAGLE-2's own setting (top-k 10,
 budget 60, `drafting.tree`'s defaults) is sized for GPUs, where verifying 60 tokens costs about
@@ -24,7 +26,7 @@ what verifying 1 does; on this CPU it is far slower than a chain. Per setting:
 - at T=0, whether the decoder's tokens equal plain greedy decoding's (`lossless`).
 
 Decoders alternate within a setting, after one untimed warm-up of each. The headline keys
-(batch 1) come first: speedup_{chain,tree,tree_wide}_t{0,1}, tau_..._t{0,1} and the drafter's
+(batch 1) come first: speedup_{chain,tree,tree_wide,tree_stop}_t{0,1}, tau_..._t{0,1} and the drafter's
 profile share; the full table is under `settings`. Prints one JSON object.
 
     .venv/bin/python -m benchmarks.bench_decode --root /work/opd-default [--drafter opd@latest]
@@ -92,6 +94,7 @@ def decode_all(
                 depth=k,
                 top_k=tree.top_k,
                 budget=tree.budget,
+                min_confidence=tree.min_confidence,
                 temperature=temperature,
                 max_new_tokens=max_new,
                 seed=i,
@@ -167,6 +170,7 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=None, help="[profile: evaluate]")
     parser.add_argument("--tree-top-k", type=int, default=4)
     parser.add_argument("--tree-budget", type=int, default=10, help="tree_wide's budget")
+    parser.add_argument("--tree-min-confidence", type=float, default=0.1, help="tree_stop's")
     parser.add_argument("--repeats", type=int, default=1, help="best of N per decoder")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -179,6 +183,12 @@ def main() -> None:
     trees = {
         "tree": DraftTree(depth=k, top_k=args.tree_top_k, budget=k),
         "tree_wide": DraftTree(depth=k, top_k=args.tree_top_k, budget=args.tree_budget),
+        "tree_stop": DraftTree(
+            depth=k,
+            top_k=args.tree_top_k,
+            budget=args.tree_budget,
+            min_confidence=args.tree_min_confidence,
+        ),
     }
     max_new = args.max_new or cfg.evaluate.max_new_tokens
     settings = [

@@ -36,6 +36,7 @@ d sits at anchor + d - 1, as offset d of a chain.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,9 @@ class TreeConfig:
     depth: int
     top_k: int
     budget: int
+    min_confidence: float = 0.0
+    """Stop expanding once no frontier node's joint drafter probability reaches it (0: always
+    `depth` levels, as EAGLE-2); saves drafter forwards the verifier would rarely accept."""
     temperature: float = 0.0
     max_new_tokens: int = 64
     seed: int = 0
@@ -132,6 +136,7 @@ class _Tree:
     depth: Tensor  # [B, N] 1-based
     q: Tensor  # [B, N] draft probability at the temperature (1 at T=0)
     confidence: Tensor  # [B, N] max draft probability at the parent
+    levels: int  # drafter forwards spent: the committed rows' pass, then one per expanded depth
 
 
 # ---------------------------------------------------------------------------- entry point
@@ -145,6 +150,8 @@ def tree_generate(
     # Long on purpose, like `speculative_generate`: the draft -> verify -> accept -> commit loop
     # shares the batch state every phase updates; the phases are marked and read top to bottom.
     check_tree(cfg.depth, cfg.top_k, cfg.budget)
+    if not 0 <= cfg.min_confidence < 1:
+        raise ValueError(f"tree min_confidence must lie in [0, 1), got {cfg.min_confidence!r}")
     _check_config(cfg.depth, cfg.temperature, cfg.max_new_tokens)
     _check_prompts(prompts, target.vocab_size)
     check_tree_fits(target, max(map(len, prompts)), cfg.max_new_tokens, cfg.budget)
@@ -204,14 +211,13 @@ def tree_generate(
                 hidden_out[rows, last][:, None],  # [B, 1, H]
                 pend_pos[rows, last][:, None],  # [B, 1]
                 depth,
-                min(cfg.budget, cfg.top_k + (depth - 1) * cfg.top_k**2),
                 cfg,
                 timer,
             )
-            counts["drafter"] += depth
+            counts["drafter"] += tree.levels
         else:
             empty = torch.zeros(batch, 0, device=device)
-            tree = _Tree(empty.long(), empty.long(), empty.long(), empty, empty)
+            tree = _Tree(empty.long(), empty.long(), empty.long(), empty, empty, levels=0)
         size = tree.tokens.shape[1]
 
         # 2. verify the whole tree in one forward ----------------------------------------
@@ -320,7 +326,6 @@ def _draft_tree(
     root_hidden: Tensor,
     root_pos: Tensor,
     depth: int,
-    size: int,
     cfg: TreeConfig,
     timer: _ForwardTimer,
 ) -> _Tree:
@@ -350,7 +355,12 @@ def _draft_tree(
     front_anc = torch.zeros(batch, k, 0, dtype=torch.bool, device=device)  # [B, k, tree keys]
     eye = torch.eye(k, dtype=torch.bool, device=device)
     n_cands = k
+    floor = math.log(cfg.min_confidence) if cfg.min_confidence > 0 else -math.inf
+    levels = 1
     for d in range(2, depth + 1):
+        if float(front_score.max()) < floor:  # no frontier path is likely enough to go deeper
+            break
+        levels = d
         mask = torch.cat(
             [valid[:, None].expand(-1, k, -1), front_anc, eye.expand(batch, -1, -1)], dim=2
         )  # [B, k, S + (d-2)k + k]
@@ -384,6 +394,7 @@ def _draft_tree(
 
     cat = {name: torch.cat(parts, dim=1) for name, parts in cands.items()}  # [B, M]
     # Stable: a child ties its parent only when q = 1, and the parent comes first in the list.
+    size = min(cfg.budget, n_cands)
     order = cat["score"].sort(dim=1, descending=True, stable=True).indices[:, :size]
     chosen = order.sort(dim=1).values  # [B, N] candidate indices, parents before children
     slot = torch.full_like(cat["parent"], -1).scatter_(
@@ -397,6 +408,7 @@ def _draft_tree(
         depth=cat["depth"].gather(1, chosen),
         q=cat["q"].gather(1, chosen),
         confidence=cat["conf"].gather(1, chosen),
+        levels=levels,
     )
 
 

@@ -59,6 +59,10 @@ class DraftTree(StrictConfig):
     """Children kept per expanded node, and nodes expanded per depth."""
     budget: int = Field(60, ge=1)
     """Tree nodes the target verifies per step (besides the last committed token)."""
+    min_confidence: float = Field(0.0, ge=0.0, lt=1.0)
+    """Stop expanding once no frontier node's joint drafter probability reaches it. 0 (EAGLE-2)
+    always drafts `depth` levels; on a CPU, where the drafter's forwards are a large share of a
+    step, a floor saves the levels the verifier would rarely accept."""
 
     @model_validator(mode="after")
     def _check(self) -> DraftTree:

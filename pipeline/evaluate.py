@@ -181,6 +181,7 @@ def decoder(k: int, tree: DraftTree | None, temperature: float, max_new_tokens: 
         depth=tree.depth,
         top_k=tree.top_k,
         budget=tree.budget,
+        min_confidence=tree.min_confidence,
         temperature=temperature,
         max_new_tokens=max_new_tokens,
         seed=seed,

@@ -526,6 +526,24 @@ def test_tree_greedy_equals_hf_generate(tiny_llama: Target, greedy_case, which, 
             assert sibling_hits >= 3
 
 
+def test_confidence_floor_stops_expanding_and_stays_lossless(tiny_llama: Target, greedy_case):
+    prompts, reference, fitted = greedy_case
+    # one prompt at a time: a batch expands while any of its rows is above the floor
+    floor = tree_cfg((5, 3, 12), max_new_tokens=MAX_NEW, min_confidence=0.5)
+    full = tree_cfg((5, 3, 12), max_new_tokens=MAX_NEW)
+    got, forwards, accepted = [], [0, 0], 0
+    for prompt in prompts:
+        result = tree_generate(tiny_llama, fitted, [prompt], floor)
+        got += result.sequences
+        accepted += sum(result.steps["accepted"])
+        forwards[0] += result.stats["drafter_forwards"] / result.stats["verify_steps"]
+        deep = tree_generate(tiny_llama, fitted, [prompt], full)
+        forwards[1] += deep.stats["drafter_forwards"] / deep.stats["verify_steps"]
+    assert got == reference
+    # fewer drafter forwards per step, yet drafts still accepted
+    assert forwards[0] < forwards[1] and accepted > 100
+
+
 def test_top1_tree_is_the_chain(tiny_llama: Target, greedy_case):
     """A tree of top-k 1 and budget = depth is a chain: same tokens, same acceptances per step."""
     prompts, _, fitted = greedy_case
@@ -692,6 +710,10 @@ def test_bad_tree_inputs_are_refused_before_any_work(tiny_llama: Target, monkeyp
             drafter,
             prompts,
             TreeConfig(depth=2, top_k=30, budget=600, max_new_tokens=8),
+        )
+    with pytest.raises(ValueError, match=r"min_confidence must lie in \[0, 1\), got 1.5"):
+        tree_generate(
+            tiny_llama, drafter, prompts, TreeConfig(depth=2, top_k=2, budget=4, min_confidence=1.5)
         )
     with pytest.raises(ValueError, match=r"top_k \(80\) exceeds the draft vocab \(64\)"):
         tree_generate(tiny_llama, drafter, prompts, TreeConfig(depth=1, top_k=80, budget=80))
