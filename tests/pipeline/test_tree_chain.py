@@ -14,6 +14,7 @@ from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
 
 TREE = '{"depth": 3, "top_k": 3, "budget": 8}'
+TREE_META = {"depth": 3, "top_k": 3, "budget": 8, "min_confidence": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +32,13 @@ def test_full_chain_runs_on_tree_rollouts(tree_chain):
     ctx, cfg, _, ds = tree_chain
     for r in (1, 2):
         meta = ds[f"rollout-r{r}"].meta
-        assert meta["tree"] == {"depth": 3, "top_k": 3, "budget": 8}
+        assert meta["tree"] == TREE_META
         assert len(meta["alpha"]) == 3 and meta["tau"] >= 1.0
         assert ds[f"score-r{r}"].meta["k"] == 3  # replays are tree.depth deep
         assert ds[f"opd-r{r}"].meta["trained"]
     assert ds["score-r1"].meta["anchors"] > 0
     stats = ds["evaluate"].meta
-    assert stats["tree"] == {"depth": 3, "top_k": 3, "budget": 8}
+    assert stats["tree"] == TREE_META
     assert stats["lossless_t0"] is True and stats["t0_mismatches"] == []
     assert ds["evaluate"].inputs["drafter"] == str(ds["opd-r2"].ref)
 
