@@ -344,6 +344,7 @@ def _run(
         if info is not None:
             click.echo(f"export       {info['path']} (+ speculators/ beside it)")
             click.echo(f"serve with:  {info['vllm_command']}")
+            click.echo(f"trees:       {info['tree_note']}")
 
 
 def _states_target(
@@ -607,6 +608,7 @@ def export_cmd(
     )
     click.echo("serve it with:")
     click.echo(f"  {info['vllm_command']}")
+    click.echo(f"  ({info['tree_note']})")
 
 
 @cli.command("serve")

@@ -256,6 +256,24 @@ class Target:
             cache.crop(length - current)
 
     @staticmethod
+    def keep_cache_slots(cache: DynamicCache, start: int, index: Tensor) -> None:
+        """Replace the slots from `start` on by the per-row slots `start + index` [B, W] (in place).
+
+        A tree verify step appends every node's keys; only the root and the accepted path are
+        ever read again, and packing them keeps the cache growing by the emitted tokens, not by
+        the tree budget.
+        """
+        for layer in cache.layers:
+            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+            at = index[:, None, :, None].expand(-1, heads, -1, dim)  # [B, kv, W, d]
+            layer.keys = torch.cat(
+                [layer.keys[:, :, :start], layer.keys[:, :, start:].gather(2, at)], 2
+            )
+            layer.values = torch.cat(
+                [layer.values[:, :, :start], layer.values[:, :, start:].gather(2, at)], 2
+            )
+
+    @staticmethod
     def select_cache_rows(cache: DynamicCache, rows: Tensor) -> None:
         """Keep only batch rows `rows` (in place), e.g. to drop finished sequences."""
         cache.batch_select_indices(rows)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _RUNTIME = "opd_runtime_only"
+_UNSET_OMITTED = "opd_omitted_when_none"
 
 
 class StrictConfig(BaseModel):
@@ -27,16 +28,57 @@ def runtime_field(default: Any, description: str) -> Any:
     return Field(default, description=description, json_schema_extra={_RUNTIME: True})
 
 
+def optional_field(description: str) -> Any:
+    """An opt-in setting (default None) that is part of the version only when set, so adding it
+    to a config leaves every dataset version computed without it unchanged."""
+    return Field(None, description=description, json_schema_extra={_UNSET_OMITTED: True})
+
+
 def version_dict(cfg: BaseModel) -> dict[str, Any]:
-    """The config as JSON data minus runtime-only fields (recursively): what the version hashes."""
+    """The config as JSON data minus runtime-only fields and unset `optional_field`s
+    (recursively): what the version hashes."""
     out: dict[str, Any] = {}
     for name, field in type(cfg).model_fields.items():
         extra = field.json_schema_extra
-        if isinstance(extra, dict) and extra.get(_RUNTIME):
-            continue
         value = getattr(cfg, name)
+        if isinstance(extra, dict) and (
+            extra.get(_RUNTIME) or (extra.get(_UNSET_OMITTED) and value is None)
+        ):
+            continue
         out[name] = _jsonable(value)
     return out
+
+
+class DraftTree(StrictConfig):
+    """An EAGLE-2 dynamic draft tree (models/tree_speculative.py). The defaults are EAGLE-2's
+    (its EaModel: total_token=60, depth=5, top_k=10)."""
+
+    depth: int = Field(5, ge=1)
+    """Deepest node: drafter forwards per step, and the most tokens a step can accept."""
+    top_k: int = Field(10, ge=1)
+    """Children kept per expanded node, and nodes expanded per depth."""
+    budget: int = Field(60, ge=1)
+    """Tree nodes the target verifies per step (besides the last committed token)."""
+    min_confidence: float = Field(0.0, ge=0.0, lt=1.0)
+    """Stop expanding once no frontier node's joint drafter probability reaches it. 0 (EAGLE-2)
+    always drafts `depth` levels; on a CPU, where the drafter's forwards are a large share of a
+    step, a floor saves the levels the verifier would rarely accept."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DraftTree:
+        if self.budget < self.depth:
+            raise ValueError(
+                f"tree budget ({self.budget}) is smaller than its depth ({self.depth}): the "
+                "tree could never reach that depth; raise drafting.tree.budget or lower "
+                "drafting.tree.depth"
+            )
+        most = self.top_k + (self.depth - 1) * self.top_k**2
+        if self.budget > most:
+            raise ValueError(
+                f"tree budget ({self.budget}) exceeds the {most} candidates depth {self.depth} "
+                f"x top-k {self.top_k} drafts; lower drafting.tree.budget or raise top_k"
+            )
+        return self
 
 
 def _jsonable(value: Any) -> Any:

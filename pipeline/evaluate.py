@@ -9,6 +9,11 @@ numbers: τ (mean of accepted + 1 per verify step, the EAGLE/vLLM convention), �
 speculative decoding against plain target decoding timed in the same run on the same prompts.
 At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`).
 
+With `drafting.tree` set it decodes on EAGLE-2 dynamic trees (models/tree_speculative.py):
+`drafts.parquet` then has one row per tree node (plus node, parent and confidence; offset is
+the node's depth), `steps.parquet` the row's depth budget, and α is per depth (a step that
+reached depth d-1 accepting a node at depth d), since siblings make per-draft rates moot.
+
 With `backend=vllm` the drafter's export also runs inside vLLM on the same prompts, K and
 temperature, adding `tau_vllm` (from vLLM's spec-decode counters) and, at T=0, `vllm_lossless`
 and `vllm_matches_project` (see models/vllm_engine.measure_speculation); τ, α and the logs stay
@@ -31,7 +36,8 @@ from pydantic import Field
 from models import vllm_engine
 from models.drafter import Eagle3Drafter
 from models.speculative import SpecConfig, speculative_generate, target_generate
-from pipeline.config import StrictConfig, runtime_field
+from models.tree_speculative import TreeConfig, check_tree_fits, depth_alpha, tree_generate
+from pipeline.config import DraftTree, StrictConfig, optional_field, runtime_field
 from pipeline.drafters import load_drafter_dataset
 from pipeline.runner import RunContext
 from pipeline.stage import DRAFTER_KINDS, Stage
@@ -46,6 +52,7 @@ class Config(StrictConfig):
     max_prompts: int = Field(64, ge=1)
     k: int = Field(6, ge=1)
     """Drafted tokens per verify step; set through `drafting.k`."""
+    tree: DraftTree | None = optional_field("decode on draft trees; set through `drafting.tree`")
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(1, ge=1)
@@ -91,9 +98,7 @@ def evaluate(
     """Run both decoders over `prompts` in batches; return merged records, steps and stats."""
     from tqdm import tqdm
 
-    spec_cfg = SpecConfig(
-        k=cfg.k, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
-    )
+    decode = decoder(cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, cfg.seed)
     records: dict[str, list] = {}
     steps: dict[str, list] = {}
     sequences: list[list[int]] = []
@@ -105,7 +110,7 @@ def evaluate(
     for b in tqdm(range(0, len(prompts), cfg.batch_size), desc="evaluate", disable=not progress):
         batch = prompts[b : b + cfg.batch_size]
         t0 = time.perf_counter()
-        res = speculative_generate(target, drafter, batch, spec_cfg)
+        res = decode(target, drafter, batch)
         spec_s += time.perf_counter() - t0
         spec_tokens += sum(len(s) for s in res.sequences)
         sequences += res.sequences
@@ -132,17 +137,23 @@ def evaluate(
     step_df = pl.DataFrame(steps)
     draft_df = pl.DataFrame(records)
     tau = float((step_df["accepted"] + 1).mean())
-    alpha = (
-        draft_df.filter(pl.col("outcome") != "not_reached")
-        .group_by("offset")
-        .agg((pl.col("outcome") == "accepted").mean().alias("alpha"))
-        .sort("offset")["alpha"]
-        .to_list()
-    )
+    if cfg.tree is None:
+        alpha = (
+            draft_df.filter(pl.col("outcome") != "not_reached")
+            .group_by("offset")
+            .agg((pl.col("outcome") == "accepted").mean().alias("alpha"))
+            .sort("offset")["alpha"]
+            .to_list()
+        )
+    else:
+        alpha = depth_alpha(
+            step_df["accepted"].to_torch(), step_df["depth"].to_torch(), cfg.tree.depth
+        )
     stats = {
         "tau": tau,
         "alpha": alpha,
         "k": cfg.k,
+        **({"tree": cfg.tree.model_dump()} if cfg.tree else {}),
         "temperature": cfg.temperature,
         "prompts": len(prompts),
         "verify_steps": step_df.height,
@@ -160,6 +171,32 @@ def evaluate(
             # target's top-2 gap at each first divergence tells such a tie from a real bug.
             stats["t0_mismatches"] = mismatches
     return {"steps": step_df, "drafts": draft_df, "stats": stats, "sequences": sequences}
+
+
+def decoder(k: int, tree: DraftTree | None, temperature: float, max_new_tokens: int, seed: int):
+    """decode(target, drafter, prompts) -> SpecResult: K-chains, or draft trees when `tree` is set."""
+    if tree is None:
+        spec = SpecConfig(k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+        return lambda target, drafter, prompts: speculative_generate(target, drafter, prompts, spec)
+    cfg = TreeConfig(
+        depth=tree.depth,
+        top_k=tree.top_k,
+        budget=tree.budget,
+        min_confidence=tree.min_confidence,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+    )
+    return lambda target, drafter, prompts: tree_generate(target, drafter, prompts, cfg)
+
+
+def check_tree_setting(target, tree: DraftTree | None, prompts, max_new_tokens: int) -> None:
+    """Refuse, before any work, a tree budget the target's context cannot hold."""
+    if tree is not None:
+        try:
+            check_tree_fits(target, max(map(len, prompts)), max_new_tokens, tree.budget)
+        except ValueError as e:
+            raise OpdError(f"drafting.{e}") from None
 
 
 # vLLM and this project decode the same way at T=0; past this relative gap τ is worth a look.
@@ -216,9 +253,16 @@ def run(
 ) -> dict:
     if world_size != 1:
         raise OpdError("evaluate runs as one worker (it times decoding); use world_size=1")
+    if cfg.tree is not None and cfg.backend == "vllm":
+        raise OpdError(
+            "evaluate.backend=vllm with drafting.tree: vLLM serves EAGLE-3 on a static "
+            "speculative_token_tree, not EAGLE-2's dynamic trees (README: draft trees); "
+            "evaluate trees with backend=hf"
+        )
     target = ctx.target_loader.target
     drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity)
     prompts = _prompt_ids(inputs["prompts"], cfg)
+    check_tree_setting(target, cfg.tree, prompts, cfg.max_new_tokens)
     torch.manual_seed(cfg.seed)
     out = evaluate(target, drafter, prompts, cfg, progress=ctx.progress)
     if cfg.backend == "vllm":
@@ -235,11 +279,11 @@ def run(
     alpha = " ".join(f"{a:.2f}" for a in stats["alpha"])
     speed = f", {stats['speedup']:.2f}x plain decoding" if "speedup" in stats else ""
     log.info(
-        "[evaluate] tau=%.3f alpha=[%s] T=%s K=%d%s",
+        "[evaluate] tau=%.3f alpha=[%s] T=%s %s%s",
         stats["tau"],
         alpha,
         cfg.temperature,
-        cfg.k,
+        f"K={cfg.k}" if cfg.tree is None else f"tree={cfg.tree.model_dump()}",
         speed,
     )
     return stats | {"drafter": str(inputs["drafter"].ref)}
@@ -254,5 +298,5 @@ STAGE = Stage(
     doc="speculative decoding on held-out prompts: tau, per-position acceptance, speed-up",
     inputs={"prompts": ("prompts",), "drafter": DRAFTER_KINDS},
     default_inputs={"drafter": "sft@latest"},
-    drafting={"k": "k"},
+    drafting={"k": "k", "tree": "tree"},
 )

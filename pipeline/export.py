@@ -64,6 +64,14 @@ def default_verifier(loader: TargetLoader) -> tuple[str, str | None]:
     )
 
 
+TREE_NOTE = (
+    "vLLM serves this EAGLE-3 drafter as a chain of num_speculative_tokens drafts; its only tree "
+    "setting is a static speculative_token_tree (fixed shape, top-k per level, TREE_ATTN "
+    "attention backend on GPU), not the dynamic EAGLE-2 trees of drafting.tree (README: draft "
+    "trees)"
+)
+
+
 def vllm_command(target_dir: str, export_dir: Path, k: int) -> str:
     spec = {"method": "eagle3", "model": str(export_dir.resolve()), "num_speculative_tokens": k}
     return (
@@ -191,6 +199,7 @@ def export_drafter(
         "path": str(path),
         "max_logit_diff": diff,
         "vllm_command": vllm_command(_serve_dir(loader), path, k),
+        "tree_note": TREE_NOTE,
         "warnings": warnings,
     }
 

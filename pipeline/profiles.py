@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
-from pipeline.config import StrictConfig
+from pipeline.config import DraftTree, StrictConfig, optional_field
 from pipeline.stages import STAGES
 from pipeline.targets import TargetConfig
 from storage import OpdError
@@ -32,6 +32,10 @@ class DraftingConfig(StrictConfig):
     """Unrolled steps of SFT's training-time test. EAGLE-3 trains one step deeper than it
     usually serves (7 vs K = 6), so the K-th draft is trained on inputs as off-policy as it
     meets; it must be >= k."""
+    tree: DraftTree | None = optional_field(
+        "Decode on EAGLE-2 dynamic draft trees instead of K-chains in evaluate and rollout (and "
+        "replay tree.depth tokens in score); off by default, so chain datasets keep their versions"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DraftingConfig:
@@ -39,6 +43,11 @@ class DraftingConfig(StrictConfig):
             raise ValueError(
                 f"drafting.ttt_steps ({self.ttt_steps}) must be >= drafting.k ({self.k}): "
                 "SFT must train every position the drafter serves"
+            )
+        if self.tree is not None and self.ttt_steps < self.tree.depth:
+            raise ValueError(
+                f"drafting.ttt_steps ({self.ttt_steps}) must be >= drafting.tree.depth "
+                f"({self.tree.depth}): SFT must train every depth the tree drafts"
             )
         return self
 

@@ -27,6 +27,18 @@ the last digits. Acceptance by offset over the whole log is one polars query:
       .filter(pl.col("outcome") != "not_reached")
       .group_by("offset").agg((pl.col("outcome") == "accepted").mean()).sort("offset")
 
+With `drafting.tree` set, rollout decodes on EAGLE-2 dynamic trees (models/tree_speculative.py)
+and the rejection log has one row per tree node (TREE_REJECTIONS_SCHEMA: the chain columns plus
+`node` and `parent`, 0 = the root). Per verify step it holds the accepted path (outcome
+accepted, one node per depth: offset = depth, position = anchor + depth - 1) and the rejected
+siblings (outcome rejected: children of the root or of a path node that the verifier tried
+before the one it accepted, or all of them where the path ended), the untried nodes as
+not_reached; `target_token` of a rejected node is what the target emitted at its position.
+A position with a rejected node is one where the drafter's most confident token was wrong,
+which is exactly the chain's error position, so `score` reads tree logs unchanged (see
+README: draft trees). `confidence` comes from the decoder itself (max_v q_v at the node's
+parent). steps-*.parquet gains `depth` (the row's depth budget), and alpha is per depth.
+
 `run` (the run name the runner was given, `--run-name`) is not part of the version: a dataset
 reused by another run keeps the name of the run that computed it.
 
@@ -50,11 +62,13 @@ from torch import Tensor
 from tqdm import tqdm
 
 from models.drafter import Eagle3Drafter
-from models.speculative import SpecConfig, replay_drafts, speculative_generate
+from models.speculative import replay_drafts
 from models.target import Target
+from models.tree_speculative import depth_alpha
 from pipeline.checks import VOCAB_FILE
-from pipeline.config import StrictConfig
+from pipeline.config import DraftTree, StrictConfig, optional_field
 from pipeline.drafters import load_drafter_dataset
+from pipeline.evaluate import check_tree_setting, decoder
 from pipeline.features import feature_schema, forward_batch
 from pipeline.generate import select_prompts
 from pipeline.runner import RunContext
@@ -97,6 +111,13 @@ REJECTIONS_SCHEMA = pa.schema(
         ("confidence", pa.float32()),  # max_v q_v (see the module docstring)
     ]
 )
+TREE_REJECTIONS_SCHEMA = pa.schema(
+    [
+        *REJECTIONS_SCHEMA,
+        ("node", pa.int32()),  # 1-based index in the step's tree, parents before children
+        ("parent", pa.int32()),  # the parent's node index, 0 = the root (last committed token)
+    ]
+)
 STEPS_SCHEMA = pa.schema(
     [
         ("seq_id", pa.string()),
@@ -107,6 +128,7 @@ STEPS_SCHEMA = pa.schema(
         ("emitted", pa.int32()),
     ]
 )
+TREE_STEPS_SCHEMA = pa.schema([*STEPS_SCHEMA, ("depth", pa.int32())])
 
 
 class Config(StrictConfig):
@@ -122,6 +144,7 @@ class Config(StrictConfig):
     contexts no earlier round (or the SFT data, with skip_prompts) has seen."""
     k: int = Field(6, ge=1)
     """Drafted tokens per verify step; set through `drafting.k` (the K it will serve with)."""
+    tree: DraftTree | None = optional_field("decode on draft trees; set through `drafting.tree`")
     temperature: float = Field(0.0, ge=0.0)
     """Decoding temperature (0 = greedy); verify at the temperature the drafter will serve at."""
     max_new_tokens: int = Field(128, ge=1)
@@ -199,15 +222,9 @@ def rollout_shard(
     steps: dict[str, list] = {}
     for b in range(0, len(order), cfg.batch_size):
         idx = order[b : b + cfg.batch_size]
-        spec = SpecConfig(
-            k=cfg.k,
-            temperature=cfg.temperature,
-            max_new_tokens=cfg.max_new_tokens,
-            seed=cfg.seed * 1_000_003 + shard * 1_009 + b,
-        )
-        res = speculative_generate(
-            target, drafter, [list(chunk[j]["prompt_ids"]) for j in idx], spec
-        )
+        seed = cfg.seed * 1_000_003 + shard * 1_009 + b
+        decode = decoder(cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, seed)
+        res = decode(target, drafter, [list(chunk[j]["prompt_ids"]) for j in idx])
         for j, seq, why in zip(idx, res.sequences, res.finish_reasons, strict=True):
             generated[j], reasons[j] = seq, why
         _merge_columns(records, res.records, idx)
@@ -228,7 +245,11 @@ def rollout_shard(
     n_rec = len(records.get("sequence", []))
     rec_order = sorted(
         range(n_rec),
-        key=lambda r: (records["sequence"][r], records["step"][r], records["offset"][r]),
+        key=lambda r: (
+            records["sequence"][r],
+            records["step"][r],
+            records["node" if cfg.tree else "offset"][r],
+        ),
     )
     records = {name: [v[r] for r in rec_order] for name, v in records.items()}
     step_order = sorted(
@@ -236,11 +257,14 @@ def rollout_shard(
         key=lambda r: (steps["sequence"][r], steps["step"][r]),
     )
     steps = {name: [v[r] for r in step_order] for name, v in steps.items()}
-    confidence: list[float] = []
-    for j, group in itertools.groupby(range(n_rec), key=lambda r: records["sequence"][r]):
-        rows = list(group)
-        one = {name: v[rows[0] : rows[-1] + 1] for name, v in records.items()}
-        confidence += _confidence(drafter, aux_rows[j], sequences[j], one, cfg.temperature)
+    if cfg.tree is not None:  # the tree decoder logs it; chains replay it (module docstring)
+        confidence = records.pop("confidence", [])
+    else:
+        confidence = []
+        for j, group in itertools.groupby(range(n_rec), key=lambda r: records["sequence"][r]):
+            rows = list(group)
+            one = {name: v[rows[0] : rows[-1] + 1] for name, v in records.items()}
+            confidence += _confidence(drafter, aux_rows[j], sequences[j], one, cfg.temperature)
     return {
         "sequences": sequences,
         "generated": generated,
@@ -299,6 +323,7 @@ def _write_shard(
     )
     rec = out["records"]
     n = len(rec.get("sequence", []))
+    tree = {name: rec.get(name, []) for name in ("node", "parent")} if cfg.tree else {}
     output.write_parquet(
         rej_file,
         pa.Table.from_pydict(
@@ -323,35 +348,43 @@ def _write_shard(
                 "k": [cfg.k] * n,
                 "temperature": [cfg.temperature] * n,
                 "confidence": out["confidence"],
+                **tree,
             },
-            schema=REJECTIONS_SCHEMA,
+            schema=TREE_REJECTIONS_SCHEMA if cfg.tree else REJECTIONS_SCHEMA,
         ),
     )
     st = out["steps"]
+    steps_schema = TREE_STEPS_SCHEMA if cfg.tree else STEPS_SCHEMA
     output.write_parquet(
         steps_file,
         pa.Table.from_pydict(
             {
                 "seq_id": [seq_ids[s] for s in st.get("sequence", [])],
-                **{name: st.get(name, []) for name in STEPS_SCHEMA.names[1:]},
+                **{name: st.get(name, []) for name in steps_schema.names[1:]},
             },
-            schema=STEPS_SCHEMA,
+            schema=steps_schema,
         ),
     )
 
 
 def summarize(output: DatasetWriter, cfg: Config) -> dict:
-    """tau and alpha per offset over every shard written so far (all ranks)."""
+    """tau and alpha per offset (per depth on trees) over every shard written so far (all ranks)."""
     files = [str(output.dir / s["path"]) for s in output.completed_shards()]
     steps = pl.read_parquet([f for f in files if "/steps-" in f])
     log_ = pl.scan_parquet([f for f in files if "/rejections-" in f])
-    alpha = dict(
-        log_.filter(pl.col("outcome") != "not_reached")
-        .group_by("offset")
-        .agg((pl.col("outcome") == "accepted").mean())
-        .collect()
-        .iter_rows()
-    )
+    if cfg.tree is None:
+        alpha = dict(
+            log_.filter(pl.col("outcome") != "not_reached")
+            .group_by("offset")
+            .agg((pl.col("outcome") == "accepted").mean())
+            .collect()
+            .iter_rows()
+        )
+    else:  # per depth: with siblings, per-node rates are not acceptance rates
+        by_depth = depth_alpha(
+            steps["accepted"].to_torch(), steps["depth"].to_torch(), cfg.tree.depth
+        )
+        alpha = {d: a for d, a in enumerate(by_depth, start=1) if a == a}  # NaN: never reached
     counts = dict(log_.group_by("outcome").len().collect().iter_rows())
     seqs = pl.scan_parquet([f for f in files if "/sequences-" in f])
     totals = (
@@ -365,7 +398,8 @@ def summarize(output: DatasetWriter, cfg: Config) -> dict:
     )
     return {
         "tau": float((steps["accepted"] + 1).mean()) if steps.height else None,
-        "alpha": [alpha.get(o) for o in range(1, cfg.k + 1)],
+        "alpha": [alpha.get(o) for o in range(1, (cfg.tree.depth if cfg.tree else cfg.k) + 1)],
+        **({"tree": cfg.tree.model_dump()} if cfg.tree else {}),
         "verify_steps": steps.height,
         "drafted": sum(counts.values()),
         "accepted": counts.get("accepted", 0),
@@ -398,6 +432,7 @@ def run(
     drafter_ds = inputs["drafter"]
     target = ctx.target_loader.target
     identity = ctx.target_loader.identity
+    check_tree_setting(target, cfg.tree, [p["prompt_ids"] for p in prompts], cfg.max_new_tokens)
     drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
     seq_ids = _seq_ids(prompts)
     if rank == 0 and not output.has_shard(VOCAB_FILE):
@@ -453,5 +488,5 @@ STAGE = Stage(
     default_inputs={"drafter": "sft@latest"},
     sharded=True,
     per_round=True,
-    drafting={"k": "k"},
+    drafting={"k": "k", "tree": "tree"},
 )

@@ -13,6 +13,13 @@ A sequence without a rejection therefore gets no anchor, and a rollout without a
 with a clear log message. All sampling is seeded by (seed, seq_id): any sharding or resume
 gives the same bytes.
 
+Tree rollouts (`drafting.tree`) log every tree node; a position with a rejected node is one
+where the drafter's most confident token there was wrong (siblings are tried in confidence
+order), i.e. where its own chain would have failed, so the anchors are read the same way and
+each replay is tree.depth tokens deep. The replays are chains on purpose: a tree step accepts
+the chain's path whenever the top-1 token is right, and a better top-1 ranking is what lifts
+every depth of the tree (README: draft trees).
+
 Replay of anchor e (sample j): the CURRENT drafter drafts y-hat_1..y-hat_K from the prefix y<e,
 exactly as the decoder would: row e-2 reads the rollout's target feature f_{e-2} and y_{e-1},
 then K-1 chain steps read only the drafter's own hidden states and tokens. All anchors and
@@ -55,7 +62,7 @@ from models.drafter import Eagle3Drafter
 from models.speculative import replay_drafts
 from models.target import Target
 from pipeline.checks import VOCAB_FILE, check_drafter_vocab, check_same_target
-from pipeline.config import StrictConfig
+from pipeline.config import DraftTree, StrictConfig, optional_field
 from pipeline.drafters import load_drafter_dataset
 from pipeline.rollout import shard_files
 from pipeline.runner import RunContext
@@ -76,11 +83,20 @@ class Config(StrictConfig):
     """Replays per anchor; forced to 1 at temperature 0 (greedy replays are identical)."""
     k: int = Field(6, ge=1)
     """Replay depth: drafted tokens per replay; set through `drafting.k`."""
+    tree: DraftTree | None = optional_field(
+        "set through `drafting.tree`: the rollouts were decoded on trees, and replays are "
+        "tree.depth tokens deep (the most a tree step accepts) instead of K"
+    )
     temperature: float = Field(0.0, ge=0)
     """The serving temperature: drafts are sampled from q and scored against p at it."""
     seed: int = 0
     round: int = Field(1, ge=1)
     """Draft-OPD round; part of the version, so each round's replays are their own dataset."""
+
+    @property
+    def depth(self) -> int:
+        """Tokens per replay: the tree's depth when decoding on trees, else K."""
+        return self.k if self.tree is None else self.tree.depth
 
     @model_validator(mode="before")
     @classmethod
@@ -157,7 +173,7 @@ def score_sequence(
         aux_hidden,
         torch.tensor(input_ids),
         starts,
-        cfg.k,
+        cfg.depth,
         temperature=cfg.temperature,
         generator=generator,
     )
@@ -178,7 +194,7 @@ def score_sequence(
     reach = torch.cumprod(torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], 1), 1)
     eos = torch.tensor(target.eos_token_ids, dtype=torch.long, device=tokens.device)
     is_eos = torch.isin(tokens, eos)
-    first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, cfg.k)
+    first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, cfg.depth)
     return {
         "tokens": tokens.cpu(),
         "logq": chains.logq.cpu(),
@@ -202,7 +218,12 @@ def _log_positions(rollouts: Dataset, shard: str) -> dict[str, tuple[list[int], 
     for seq_id, outcome, positions in df.iter_rows():
         rej, acc = out.setdefault(seq_id, ([], []))
         (rej if outcome == "rejected" else acc).extend(positions)
-    return out
+    # A tree step can reject a node and accept its sibling at one position: that position is
+    # an error of the drafter's top choice, so it is a rejected anchor only (chains never
+    # log a position twice).
+    return {
+        seq_id: (rej, [e for e in acc if e not in set(rej)]) for seq_id, (rej, acc) in out.items()
+    }
 
 
 def score_shard(
@@ -277,7 +298,7 @@ def summarize(output: DatasetWriter, cfg: Config) -> dict[str, Any]:
         "replays": len(kinds),
         "rejected_anchors": kinds.count("rejected") // cfg.samples,
         "accepted_anchors": kinds.count("accepted") // cfg.samples,
-        "k": cfg.k,
+        "k": cfg.depth,
         "samples": cfg.samples,
         "temperature": cfg.temperature,
         "round": cfg.round,
@@ -331,7 +352,7 @@ def run(
             meta["rejected_anchors"],
             meta["accepted_anchors"],
             cfg.samples,
-            cfg.k,
+            cfg.depth,
             meta["replays"],
         )
     return meta | {
@@ -355,5 +376,5 @@ STAGE = Stage(
     per_round=True,
     # A drafter the target never rejected leaves nothing to replay; opd then keeps it as is.
     may_be_empty=True,
-    drafting={"k": "k"},
+    drafting={"k": "k", "tree": "tree"},
 )

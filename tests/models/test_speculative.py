@@ -1,4 +1,5 @@
-"""Speculative decoding is lossless (T=0 token for token, T>0 in law), and its logs add up."""
+"""Speculative decoding, on chains and on EAGLE-2 trees, is lossless (T=0 token for token, T>0 in
+law), and its logs add up."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 import models.speculative as spec
+import models.tree_speculative as tree_spec
 from models.drafter import DrafterConfig, DraftVocab, Eagle3Drafter, shift_left, ttt_unroll
 from models.speculative import SpecConfig, speculative_generate, target_generate
 from models.target import Target, load_target
+from models.tree_speculative import TreeConfig, tree_generate
 from tests.models.conftest import tiny_target
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
@@ -465,3 +468,265 @@ def test_greedy_equals_hf_generate_on_embedded_target():
     drafter = make_drafter(target, min(1024, target.vocab_size))
     cfg = SpecConfig(k=4, max_new_tokens=16, eos_token_ids=())
     assert speculative_generate(target, drafter, prompts, cfg).sequences == reference
+
+
+# ============================================================================ EAGLE-2 trees
+
+TREES = [(4, 3, 10), (3, 4, 16), (5, 2, 5)]  # (depth, top_k, budget); the last has budget = depth
+
+
+def tree_cfg(shape, **kwargs) -> TreeConfig:
+    depth, top_k, budget = shape
+    return TreeConfig(depth=depth, top_k=top_k, budget=budget, eos_token_ids=(), **kwargs)
+
+
+# -- (a) T = 0
+
+
+@pytest.mark.parametrize(
+    ("which", "batch", "shape"),
+    [
+        ("random", 20, TREES[0]),
+        ("fitted", 1, TREES[0]),
+        ("fitted", 7, TREES[1]),
+        ("fitted", 20, TREES[0]),
+        ("fitted", 20, TREES[2]),
+    ],
+)
+def test_tree_greedy_equals_hf_generate(tiny_llama: Target, greedy_case, which, batch, shape):
+    prompts, reference, fitted = greedy_case
+    drafter = fitted if which == "fitted" else make_drafter(tiny_llama, 64, seed=1)
+    cfg = tree_cfg(shape, max_new_tokens=MAX_NEW)
+    got, accepted, sibling_hits = [], [], 0
+    for i in range(0, len(prompts), batch):
+        result = tree_generate(tiny_llama, drafter, prompts[i : i + batch], cfg)
+        got += result.sequences
+        accepted += result.steps["accepted"]
+        rec = result.records
+        # an accepted node with a rejected sibling: the tree found what a chain would have missed
+        rejected = {
+            (s, t, o)
+            for s, t, o, out in zip(
+                rec["sequence"], rec["step"], rec["offset"], rec["outcome"], strict=True
+            )
+            if out == "rejected"
+        }
+        sibling_hits += sum(
+            (s, t, o) in rejected
+            for s, t, o, out in zip(
+                rec["sequence"], rec["step"], rec["offset"], rec["outcome"], strict=True
+            )
+            if out == "accepted"
+        )
+        assert result.finish_reasons == ["length"] * len(result.sequences)
+    assert got == reference
+    if which == "fitted":  # equality must also have been tested on accepted drafts and siblings
+        assert sum(accepted) > 150 and accepted.count(shape[0]) >= 5
+        if shape[1] > 1:
+            assert sibling_hits >= 3
+
+
+def test_confidence_floor_stops_expanding_and_stays_lossless(tiny_llama: Target, greedy_case):
+    prompts, reference, fitted = greedy_case
+    # one prompt at a time: a batch expands while any of its rows is above the floor
+    floor = tree_cfg((5, 3, 12), max_new_tokens=MAX_NEW, min_confidence=0.5)
+    full = tree_cfg((5, 3, 12), max_new_tokens=MAX_NEW)
+    got, forwards, accepted = [], [0, 0], 0
+    for prompt in prompts:
+        result = tree_generate(tiny_llama, fitted, [prompt], floor)
+        got += result.sequences
+        accepted += sum(result.steps["accepted"])
+        forwards[0] += result.stats["drafter_forwards"] / result.stats["verify_steps"]
+        deep = tree_generate(tiny_llama, fitted, [prompt], full)
+        forwards[1] += deep.stats["drafter_forwards"] / deep.stats["verify_steps"]
+    assert got == reference
+    # fewer drafter forwards per step, yet drafts still accepted
+    assert forwards[0] < forwards[1] and accepted > 100
+
+
+def test_top1_tree_is_the_chain(tiny_llama: Target, greedy_case):
+    """A tree of top-k 1 and budget = depth is a chain: same tokens, same acceptances per step."""
+    prompts, _, fitted = greedy_case
+    chain = speculative_generate(
+        tiny_llama, fitted, prompts, SpecConfig(k=4, max_new_tokens=MAX_NEW, eos_token_ids=())
+    )
+    tree = tree_generate(tiny_llama, fitted, prompts, tree_cfg((4, 1, 4), max_new_tokens=MAX_NEW))
+    assert tree.sequences == chain.sequences
+    for name in ("sequence", "step", "anchor", "drafted", "accepted", "emitted"):
+        assert tree.steps[name] == chain.steps[name], name
+    assert tree.records["token"] == chain.records["token"]
+    assert tree.records["outcome"] == chain.records["outcome"]
+
+
+def test_tree_stops_at_eos_like_hf(tiny_llama: Target, greedy_case):
+    prompts, reference, fitted = greedy_case
+    eos = int(torch.tensor(sum(reference, [])).bincount().argmax())
+    expected = hf_greedy(tiny_llama, prompts, MAX_NEW, eos=eos)
+    cfg = TreeConfig(depth=4, top_k=3, budget=10, max_new_tokens=MAX_NEW, eos_token_ids=(eos,))
+    result = tree_generate(tiny_llama, fitted, prompts, cfg)
+    assert result.sequences == expected
+    assert result.finish_reasons == ["eos" if eos in r else "length" for r in expected]
+    steps = result.steps
+    ended = sum(e == a for a, e in zip(steps["accepted"], steps["emitted"], strict=True))
+    assert ended >= 1  # some block ended on an accepted EOS
+
+
+# -- (b) T > 0
+
+
+def sample_tree(target, drafter, shape, temperature: float, n: int, seed: int = 0):
+    cfg = tree_cfg(shape, temperature=temperature, max_new_tokens=shape[0] + 2, seed=seed)
+    return tree_generate(target, drafter, [LAW_PROMPT] * n, cfg)
+
+
+# depth 1: siblings and the bonus at x2, x3; depth 2: residuals after rejected siblings at x2
+# and x3 (x1 is the prefill's sample)
+@pytest.mark.parametrize(
+    ("shape", "temperature"), [((1, 3, 3), 1.0), ((2, 2, 4), 1.0), ((2, 3, 6), 0.7)]
+)
+def test_tree_sampling_law_equals_target(law_case, shape, temperature: float):
+    target, drafter = law_case
+    result = sample_tree(target, drafter, shape, temperature, n=20_000)
+    stat, critical, tv = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, temperature))
+    assert stat < critical, (stat, critical, tv)
+    outcomes = result.records["outcome"]
+    assert outcomes.count("accepted") > 2000 and outcomes.count("rejected") > 2000
+    # second-ranked siblings were accepted too, so the residual after a rejection was under test
+    second = [
+        o == "accepted"
+        for o, node, parent in zip(
+            outcomes, result.records["node"], result.records["parent"], strict=True
+        )
+        if parent == 0 and node == 2
+    ]
+    assert sum(second) > 500
+
+
+def _accept_child_always(test, gen):
+    return torch.ones_like(test, dtype=torch.bool)
+
+
+def _keep_p(p, tokens, rejected):  # the law after rejected siblings: p itself (no residual)
+    return p
+
+
+def _accept_by_q(test, gen):  # Leviathan's test with q = 1/top_k: wrong for point masses
+    return torch.rand(test.shape, generator=gen) < (test * 3).clamp(max=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "broken"),
+    [
+        ("_accept_child", _accept_child_always),
+        ("_without", _keep_p),
+        ("_accept_child", _accept_by_q),
+    ],
+)
+def test_tree_sampling_law_catches_a_broken_verifier(law_case, monkeypatch, name, broken):
+    target, drafter = law_case
+    monkeypatch.setattr(tree_spec, name, broken)
+    result = sample_tree(target, drafter, (2, 3, 6), 1.0, n=8_000)
+    stat, critical, _ = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, 1.0))
+    assert stat > critical
+
+
+# -- (c) records
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tree_records_steps_and_stats_add_up(
+    tiny_llama: Target, greedy_case, monkeypatch, temperature
+):
+    prompts, _, fitted = greedy_case
+    calls = _count_forwards(monkeypatch, tiny_llama)
+    cfg = tree_cfg((4, 3, 10), temperature=temperature, max_new_tokens=MAX_NEW, seed=5)
+    result = tree_generate(tiny_llama, fitted, prompts, cfg)
+    rec, steps, stats = result.records, result.steps, result.stats
+
+    per_seq_steps = [steps["sequence"].count(i) for i in range(len(prompts))]
+    assert calls[0] == stats["target_forwards"] == 1 + max(per_seq_steps)
+    accepted = torch.tensor(steps["accepted"])
+    assert stats["tau"] == pytest.approx(float((accepted + 1).float().mean()), abs=1e-6)
+    assert stats["target_forwards_per_token"] == pytest.approx(1 / stats["tau"], rel=1e-6)
+    assert sum(steps["accepted"]) > 30
+
+    by_step: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(rec["sequence"], rec["step"], strict=True)):
+        by_step.setdefault(key, []).append(i)
+    anchors: dict[int, int] = {}
+    for s, t, anchor, drafted, acc, emitted, depth in zip(
+        *(steps[c] for c in tree_spec.TREE_STEP_COLUMNS), strict=True
+    ):
+        seq = prompts[s] + result.sequences[s]
+        assert emitted == acc + 1 and 0 <= acc <= depth <= 4
+        assert anchor == anchors.get(s, len(prompts[s]) + 1)
+        anchors[s] = anchor + emitted
+        rows = by_step.get((s, t), [])
+        assert len(rows) == drafted <= 10
+        node = {rec["node"][i]: i for i in rows}
+        path = [i for i in rows if rec["outcome"][i] == "accepted"]
+        # the accepted nodes form one path from the root, one per depth, and spell the sequence
+        assert [rec["offset"][i] for i in path] == list(range(1, acc + 1))
+        for i in path:
+            parent = rec["parent"][i]
+            assert parent == 0 or rec["outcome"][node[parent]] == "accepted"
+        reached = {0} | {rec["node"][i] for i in path}
+        for i in rows:
+            position = anchor + rec["offset"][i] - 1
+            outcome = rec["outcome"][i]
+            assert rec["offset"][i] <= depth
+            if outcome == "accepted":
+                assert rec["token"][i] == seq[position] == rec["target_token"][i]
+            elif outcome == "rejected":  # a tried child of the root or of an accepted node
+                assert rec["parent"][i] in reached
+                assert rec["target_token"][i] == seq[position] != rec["token"][i]
+            else:
+                assert rec["target_token"][i] == -1
+            if temperature == 0:
+                assert rec["q"][i] == 1.0 and rec["accept_prob"][i] in (0.0, 1.0)
+            else:
+                assert 0 < rec["q"][i] <= rec["confidence"][i] + 1e-6
+    for s, seq in enumerate(result.sequences):
+        assert len(seq) == MAX_NEW and anchors[s] == len(prompts[s]) + MAX_NEW
+    assert len(stats["alpha"]) == 4
+
+
+# -- (e) bad input
+
+
+def test_bad_tree_inputs_are_refused_before_any_work(tiny_llama: Target, monkeypatch):
+    drafter = make_drafter(tiny_llama, 64)
+    calls = _count_forwards(monkeypatch, tiny_llama)
+    prompts = [[1, 2, 3]]
+    with pytest.raises(ValueError, match=r"budget \(3\) is smaller than its depth \(5\)"):
+        tree_generate(tiny_llama, drafter, prompts, TreeConfig(depth=5, top_k=2, budget=3))
+    with pytest.raises(ValueError, match="tree top_k must be an int >= 1, got 0"):
+        tree_generate(tiny_llama, drafter, prompts, TreeConfig(depth=2, top_k=0, budget=3))
+    with pytest.raises(ValueError, match="exceeds the 6 candidates"):
+        tree_generate(tiny_llama, drafter, prompts, TreeConfig(depth=2, top_k=2, budget=7))
+    with pytest.raises(ValueError, match="exceed the target's context of 512"):
+        tree_generate(
+            tiny_llama,
+            drafter,
+            prompts,
+            TreeConfig(depth=2, top_k=30, budget=600, max_new_tokens=8),
+        )
+    with pytest.raises(ValueError, match=r"min_confidence must lie in \[0, 1\), got 1.5"):
+        tree_generate(
+            tiny_llama, drafter, prompts, TreeConfig(depth=2, top_k=2, budget=4, min_confidence=1.5)
+        )
+    with pytest.raises(ValueError, match=r"top_k \(80\) exceeds the draft vocab \(64\)"):
+        tree_generate(tiny_llama, drafter, prompts, TreeConfig(depth=1, top_k=80, budget=80))
+    assert calls[0] == 0
+
+
+@pytest.mark.skipif(
+    not (EMBEDDED / "model.safetensors").is_file(), reason="embedded target not trained yet"
+)
+def test_tree_greedy_equals_hf_generate_on_embedded_target():
+    target = load_target(EMBEDDED, aux_layer_ids=(1, 3, 5))
+    prompts = random_prompts(8, target.vocab_size, seed=7, lengths=(14, 19))
+    reference = hf_greedy(target, prompts, 16)
+    drafter = make_drafter(target, min(1024, target.vocab_size))
+    cfg = TreeConfig(depth=5, top_k=10, budget=60, max_new_tokens=16, eos_token_ids=())
+    assert tree_generate(target, drafter, prompts, cfg).sequences == reference

@@ -192,6 +192,7 @@ def test_export_takes_the_target_its_drafter_was_made_with(trained, tmp_path):
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"))
     assert r.exit_code == 0, r.output
     assert f"vllm serve {target_dir.resolve()}" in r.output
+    assert "static speculative_token_tree" in r.output  # what vLLM takes for trees, said once
     # restating the same target is fine; so is a copy of it elsewhere (the weights are compared)
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "b"),
             "--set", f"target.path={target_dir}", "--set", "target.aux_layer_ids=[1,2,3]")  # fmt: skip
