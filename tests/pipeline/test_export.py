@@ -250,7 +250,9 @@ def test_target_for_rules(tmp_path):
     unrecorded = _recorded(store, "prompts", None)
     default = load_config("default").target
     assert target_for([unrecorded], default, stated=False) == default
-    assert target_for([unrecorded, random], default, stated=False) == tiny
+    # the recorded target, with the dtype it was made in (`auto` resolved)
+    got = target_for([unrecorded, random], default, stated=False)
+    assert target_spec(got) == target_spec(tiny) and got.dtype == "float32"
     assert target_for([random], tiny, stated=True) == tiny
     with pytest.raises(OpdError, match="were made with different targets.*target.path: 'random'"):
         target_for([random, embedded], default, stated=False)

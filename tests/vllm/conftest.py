@@ -18,7 +18,7 @@ from pipeline.chains import Step
 from pipeline.export import ensure_export
 from pipeline.profiles import PipelineConfig, load_config
 from pipeline.runner import RunContext, run_stage
-from pipeline.targets import TargetLoader
+from pipeline.targets import TargetLoader, resolve_dtype
 from storage import Dataset, Store
 
 UNAVAILABLE = vllm_engine.unavailable_reason()
@@ -62,7 +62,7 @@ def embedded(tmp_path_factory) -> Embedded:
     loader = TargetLoader(cfg.target)
     ctx = RunContext(store=store, target_loader=loader, progress=False)
     ds = run_stage(prompts.STAGE, cfg.prompts, {}, ctx).dataset
-    plain = vllm_engine.EngineSpec(str(loader.directory), cfg.target.dtype)
+    plain = vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(cfg.target))
     vllm_engine.engine(plain)
     yield Embedded(store, ctx, cfg, ds, plain)
     vllm_engine.close()
