@@ -351,6 +351,31 @@ def replay_logits(step_logits: list[Tensor], item: Tensor, row: Tensor) -> Tenso
     return torch.stack([logits[item, row] for logits in step_logits], dim=1)
 
 
+def _replay_loss(
+    cfg: Config,
+    logits: Tensor,
+    target_logits: Tensor,
+    tokens: Tensor,
+    accepted: Tensor,
+    mask: Tensor,
+    vocab: Any,
+) -> Tensor:
+    """`models.losses.replay_loss` with the stage's loss settings (training and validation)."""
+    return replay_loss(
+        cfg.loss,
+        logits,
+        target_logits,
+        tokens,
+        accepted,
+        mask,
+        vocab,
+        temperature=cfg.temperature,
+        gamma=cfg.gamma,
+        lambda_accept=cfg.lambda_accept,
+        lambda_reject=cfg.lambda_reject,
+    )
+
+
 def replay_outcomes(
     accept_prob: Tensor, length: Tensor, positions: str, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:
@@ -438,19 +463,7 @@ def validate_replays(
             accepted, mask = replay_outcomes(
                 b.accept_prob, b.replay_length, cfg.positions, generator
             )
-            loss = replay_loss(
-                cfg.loss,
-                logits,
-                target_logits,
-                b.tokens,
-                accepted,
-                mask,
-                vocab,
-                temperature=cfg.temperature,
-                gamma=cfg.gamma,
-                lambda_accept=cfg.lambda_accept,
-                lambda_reject=cfg.lambda_reject,
-            )
+            loss = _replay_loss(cfg, logits, target_logits, b.tokens, accepted, mask, vocab)
             verified = (torch.arange(K, device=device) < b.replay_length[:, None]).double()
             hits = vocab.to_target(logits.argmax(-1)) == target_logits.argmax(-1)  # [N, K]
             p_full = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False)
@@ -667,19 +680,8 @@ def replay_step(
     with autocast(device, cfg.bf16):
         outs = model(*unrolls)
     step_logits, step_valid = outs[0]
-    loss = replay_loss(
-        cfg.loss,
-        replay_logits(step_logits, b.item, b.row),  # [N, K, Vd]
-        target_logits,
-        b.tokens,
-        accepted,
-        mask,
-        vocab,
-        temperature=cfg.temperature,
-        gamma=cfg.gamma,
-        lambda_accept=cfg.lambda_accept,
-        lambda_reject=cfg.lambda_reject,
-    )
+    logits = replay_logits(step_logits, b.item, b.row)  # [N, K, Vd]
+    loss = _replay_loss(cfg, logits, target_logits, b.tokens, accepted, mask, vocab)
     tokens, row_steps = int(batch.lengths.sum()), batch.row_steps
     if cfg.ce_lambda > 0 and cfg.ce_source == "rollouts":
         with torch.no_grad():
