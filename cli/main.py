@@ -270,7 +270,10 @@ def run_cmd(
         _run(*args, progress=not no_progress and ranks.rank == 0, ranks=ranks)
     except OpdError as e:
         raise distributed.failed("opd run", ranks.rank, ranks.world_size, e) from None
-    distributed.finish()
+    finally:
+        # A rank that exits with its gloo group still open can abort in the group's C++ teardown
+        # ("terminate called without an active exception") instead of exiting with its error.
+        distributed.finish()
 
 
 def _run(

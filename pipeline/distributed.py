@@ -90,8 +90,9 @@ def init(ranks: Ranks) -> str:
 
 
 def finish() -> None:
-    """Leave the process group after a rank's work is done (every rank reached the last barrier)."""
-    dist.destroy_process_group()
+    """Leave the process group, if this process joined one (also after a failure)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def check_same_config(fingerprint: str) -> None:
