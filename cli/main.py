@@ -650,6 +650,13 @@ def experiment_group() -> None:
     help="Seeds per arm (mean and spread over them).",
 )
 @click.option(
+    "--first-seed",
+    type=click.IntRange(min=0),
+    default=None,
+    help="First seed of the arms [default: sft.seed]; the warm-up keeps sft.seed, so processes "
+    "running disjoint seeds share it.",
+)
+@click.option(
     "--budget",
     type=click.IntRange(min=1),
     default=None,
@@ -682,6 +689,7 @@ def opd_vs_sft_cmd(
     profile: str,
     sets: tuple[str, ...],
     seeds: int,
+    first_seed: int | None,
     budget: int | None,
     budget_ratio: float,
     sft_data_temperature: float | None,
@@ -709,6 +717,7 @@ def opd_vs_sft_cmd(
         cfg,
         ctx,
         seeds=seeds,
+        first_seed=first_seed,
         budget=budget,
         budget_ratio=budget_ratio,
         sft_data_temperature=sft_data_temperature,

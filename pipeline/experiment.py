@@ -140,6 +140,7 @@ def opd_vs_sft(
     ctx: RunContext,
     *,
     seeds: int = 2,
+    first_seed: int | None = None,
     budget: int | None = None,
     budget_ratio: float = 1.0,
     sft_data_temperature: float | None = None,
@@ -148,7 +149,9 @@ def opd_vs_sft(
     """Run the experiment (see the module docstring); returns the result as JSON-able data.
 
     `budget` (row-steps per arm) defaults to `budget_ratio` x the warm-up's own budget.
-    `prompts`: use this dataset instead of running the prompts stage.
+    `prompts`: use this dataset instead of running the prompts stage. `first_seed` (default
+    `sft.seed`) lets separate processes run disjoint seeds against one root; a later run over
+    all seeds reuses their datasets.
     """
     if seeds < 1:
         raise OpdError(f"--seeds must be >= 1, got {seeds}")
@@ -192,7 +195,8 @@ def opd_vs_sft(
         },
         "seeds": [],
     }
-    for seed in range(cfg.sft.seed, cfg.sft.seed + seeds):
+    first = cfg.sft.seed if first_seed is None else first_seed
+    for seed in range(first, first + seeds):
         result["seeds"].append(
             _one_seed(run, cfg, seed, budget, sft_data_temperature, prompts, feats, warmup)
         )

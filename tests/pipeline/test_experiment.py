@@ -79,6 +79,19 @@ def test_opd_vs_sft_matches_budgets_and_reports_every_arm(tiny):
     printed = json.loads(r.output)
     assert printed["tau_opd"] == result["tau_opd"] and printed["budget_row_steps"] == budget
 
+    # another process may run seed 1 alone against the same root: the same (cached) datasets
+    r = CliRunner().invoke(
+        cli,
+        ["--root", str(store.root), "experiment", "opd-vs-sft", "--profile", "tiny"]
+        + ["--set", "rounds=1", "--seeds", "1", "--first-seed", "1", "--budget", str(budget)]
+        + ["--prompts", str(prompts.ref), "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    alone = json.loads(r.output)["seeds"]
+    assert [s["seed"] for s in alone] == [1]
+    assert alone[0]["opd"]["drafter"] == result["seeds"][1]["opd"]["drafter"]
+    assert alone[0]["sft_continued"]["drafter"] == result["seeds"][1]["sft_continued"]["drafter"]
+
 
 def test_continued_sft_data_covers_every_prompt_the_opd_rounds_draft_on():
     cfg = load_config(
