@@ -80,7 +80,7 @@ def sft_steps_for_budget(data: list[Dataset], cfg: sft.Config, budget: int) -> i
             shuffle=True,
             world_size=1,
         )
-        return [int(index.lengths[b].sum()) * cfg.train_steps for b in batches]
+        return [int(index.lengths[b].sum()) * cfg.unroll_depth for b in batches]
 
     per_epoch = len(plan(0))
     return opd.steps_for_budget(budget, lambda s: plan(s // per_epoch)[s % per_epoch])

@@ -99,7 +99,7 @@ class Config(TrainConfig):
         return self
 
     @property
-    def train_steps(self) -> int:
+    def unroll_depth(self) -> int:
         """Unrolled steps per training row (see `unrolled_steps`)."""
         return unrolled_steps(self.objective, self.ttt_steps)
 
@@ -166,7 +166,7 @@ def train_step(
         logits, valid, target_logits, vocab, chain_k=min(cfg.tau_k, len(logits)), expected=False
     ).all_reduce()
     tokens = batch.num_tokens
-    return StepOutput(loss, tokens, tokens * cfg.train_steps, {"acc": acc.accuracy()})
+    return StepOutput(loss, tokens, tokens * cfg.unroll_depth, {"acc": acc.accuracy()})
 
 
 @torch.no_grad()
@@ -282,7 +282,7 @@ def run(
         cfg,
         stage="sft",
         drafter=drafter,
-        forward=TTTUnroll(drafter, cfg.train_steps),
+        forward=TTTUnroll(drafter, cfg.unroll_depth),
         loader=train,
         total_steps=cfg.epoch_steps(len(train)),
         work_dir=output.store.root / "_work" / "sft" / output.version,

@@ -220,7 +220,7 @@ def test_the_objective_leaves_default_versions_unchanged_and_refuses_ttt_only_se
     )
     eagle1 = sft.Config(objective="eagle1")
     assert version_dict(eagle1) == base | {"objective": "eagle1"}
-    assert (eagle1.train_steps, sft.Config().train_steps) == (1, sft.Config().ttt_steps)
+    assert (eagle1.unroll_depth, sft.Config().unroll_depth) == (1, sft.Config().ttt_steps)
     with pytest.raises(ValueError, match="drop the step_decay setting"):
         sft.Config(objective="eagle1", step_decay=0.5)
     with pytest.raises(OpdError, match="drop the step_decay setting"):
@@ -241,7 +241,9 @@ def test_eagle1_trains_one_step_on_the_next_positions_state_and_its_drafter_eval
     drafter = sft.new_drafter(target, DraftVocab(v["d2t"], v["t2d"]), seed=0)
     index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
     batch = index.collate([0, 3, 5])
-    out = sft.train_step(sft.TTTUnroll(drafter, cfg.train_steps), batch, target, drafter.vocab, cfg)
+    out = sft.train_step(
+        sft.TTTUnroll(drafter, cfg.unroll_depth), batch, target, drafter.vocab, cfg
+    )
     assert out.row_steps == out.tokens == batch.num_tokens  # one unrolled step per row
     assert len(out.extra["acc"]) == 1
     b = sft.to_device(batch, target.device)
