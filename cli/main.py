@@ -726,6 +726,64 @@ def opd_vs_sft_cmd(
     click.echo(json.dumps(result, indent=2) if as_json else experiment.summary_text(result))
 
 
+@experiment_group.command("objectives")
+@click.option(
+    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config value (repeatable).",
+)
+@click.option(
+    "--seeds",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="SFT runs per objective (mean and spread over them).",
+)
+@click.option(
+    "--prompts",
+    "prompts_ref",
+    default=None,
+    help="Use this prompts dataset instead of running the prompts stage.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+@click.pass_obj
+def objectives_cmd(
+    store: Store,
+    profile: str,
+    sets: tuple[str, ...],
+    seeds: int,
+    prompts_ref: str | None,
+    as_json: bool,
+) -> None:
+    """Train the SFT drafter with EAGLE-3's training-time test and with EAGLE-1's objective
+    (same optimizer steps over the same rows); compare tau and per-offset acceptance alpha_k
+    on held-out prompts at T=0 and T=1, written as a report dataset with a plot.
+    """
+    from pipeline import objectives_experiment
+    from pipeline.runner import RunContext
+
+    cfg, loader = _loader(_config(profile, sets), profile, sets)
+    if not as_json:
+        _setup_logging()
+    ctx = RunContext(
+        store=store,
+        target_loader=loader,
+        progress=not as_json,
+        run_name="experiment-objectives",
+    )
+    result = objectives_experiment.objectives(
+        cfg, ctx, seeds=seeds, prompts=store.open(prompts_ref) if prompts_ref else None
+    )
+    click.echo(
+        json.dumps(result, indent=2) if as_json else objectives_experiment.summary_text(result)
+    )
+
+
 def main() -> None:
     cli()
 

@@ -272,6 +272,51 @@ def sft_loss(
     )
 
 
+EAGLE1_CE_WEIGHT = 0.1
+"""EAGLE-1's weight of the token loss beside feature regression (its training script's p_w)."""
+
+
+def feature_regression(pred_hidden: Tensor, target_hidden: Tensor, mask: Tensor) -> Tensor:
+    """EAGLE-1's L_reg: mean over masked-in rows of the per-dimension mean smooth-L1 (beta 1).
+
+    pred_hidden, target_hidden [B, T, H]; mask [B, T]. The target carries no gradient (it is the
+    target model's cached state).
+    """
+    pred, target = _rows(mask, pred_hidden, target_hidden)  # [N, H]
+    per_row = F.smooth_l1_loss(
+        _at_least_fp32(pred), _at_least_fp32(target.detach()), reduction="none"
+    ).mean(-1)  # [N]
+    return _mean_rows(per_row)
+
+
+def eagle1_loss(
+    logits: Tensor,
+    hidden_out: Tensor,
+    valid: Tensor,
+    teacher: Tensor,
+    target_hidden: Tensor,
+    ce_weight: float = EAGLE1_CE_WEIGHT,
+) -> Tensor:
+    """EAGLE-1's objective on one teacher-forced (not unrolled) drafter step:
+    L_reg(h_t, f_{t+1}) + ce_weight * soft-CE(q_t, p_{t+1}).
+
+    Row t reads the target feature at position t and token x_{t+1} and predicts x_{t+2}. In a
+    chain, its hidden_out h_t is what the next step reads at position t+1 in place of a target
+    feature, so it regresses onto the target's state at t+1 (`target_hidden`, whose LM head
+    gives p_{t+1}, the teacher of x_{t+2}); the token loss is the one `sft_loss` puts on step 0.
+
+    logits [B, T, Vd], hidden_out [B, T, H], valid [B, T] bool (row t valid iff x_{t+2} is
+    trained on), teacher [B, T, Vd], target_hidden [B, T, H]; teacher and target_hidden are per
+    sequence position. Rows past T-2 have no position t+1 and are never valid, so slicing them
+    off is exact.
+    """
+    n = max(teacher.shape[1] - 1, 0)
+    rows = valid[:, :n]
+    reg = feature_regression(hidden_out[:, :n], target_hidden[:, 1:], rows)
+    ce = soft_cross_entropy(logits[:, :n], teacher[:, 1:], rows)
+    return reg + ce_weight * ce
+
+
 def ce_rollout_loss(
     step_logits: Sequence[Tensor],
     step_valid: Sequence[Tensor],

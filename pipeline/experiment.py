@@ -54,9 +54,13 @@ TEMPERATURES = (0.0, 1.0)
 
 
 def sft_budget(ds: Dataset) -> int:
-    """Row-steps an `sft` dataset's training ran: tokens of every step x its ttt_steps."""
+    """Row-steps an `sft` dataset's training ran: tokens of every step x its unrolled steps
+    (ttt_steps; 1 for objective=eagle1)."""
     metrics = pl.read_parquet(ds.file(METRICS_FILE)).filter(pl.col("kind") == "train")
-    return int(metrics["tokens"].sum()) * int(ds.config["stage"]["ttt_steps"])
+    stage = ds.config["stage"]
+    return int(metrics["tokens"].sum()) * sft.unrolled_steps(
+        stage.get("objective"), int(stage["ttt_steps"])
+    )
 
 
 def sft_steps_for_budget(data: list[Dataset], cfg: sft.Config, budget: int) -> int:
@@ -76,7 +80,7 @@ def sft_steps_for_budget(data: list[Dataset], cfg: sft.Config, budget: int) -> i
             shuffle=True,
             world_size=1,
         )
-        return [int(index.lengths[b].sum()) * cfg.ttt_steps for b in batches]
+        return [int(index.lengths[b].sum()) * cfg.unroll_depth for b in batches]
 
     per_epoch = len(plan(0))
     return opd.steps_for_budget(budget, lambda s: plan(s // per_epoch)[s % per_epoch])

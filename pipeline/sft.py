@@ -11,6 +11,12 @@ back its own hidden state and reads ground-truth tokens) and minimises
 sum_k step_decay^k * soft-CE(q_k, p), p = the target's distribution on the draft vocab,
 recomputed from the cached last hidden state through the frozen LM head.
 
+`objective=eagle1` trains the same drafter with EAGLE-1's objective instead, to compare the
+two: one teacher-forced step (no training-time test) minimising smooth-L1 between row t's
+hidden_out and the target's last hidden state at t+1 (the state a chain step stands in for)
+plus 0.1 x the soft-CE above (`models.losses.eagle1_loss`). Validation still unrolls
+`ttt_steps` steps, so its per-step acceptance shows how each objective holds up down the chain.
+
 The loop is `pipeline.trainer.Trainer` (shared with `opd`): written for `torchrun`, resumable
 from checkpoints in `<root>/_work/sft/<version>/`, bit-for-bit on CPU.
 """
@@ -19,16 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor, nn
 
 from models.drafter import DrafterConfig, DraftVocab, Eagle3Drafter, ttt_unroll
-from models.losses import sft_loss, teacher_draft_probs
+from models.losses import eagle1_loss, sft_loss, teacher_draft_probs
 from pipeline import training
 from pipeline.checks import check_drafter_vocab, check_same_target, check_same_vocab, vocab_of
+from pipeline.config import optional_field
 from pipeline.drafters import load_drafter_dataset, write_drafter_dataset, written_summary
 from pipeline.runner import RunContext
 from pipeline.stage import DRAFTER_KINDS, Stage
@@ -48,16 +55,35 @@ SUMMARY_KEYS = (  # of the trainer's summary
 
 log = logging.getLogger("opd")
 
+Objective = Literal["eagle3", "eagle1"]
+DEFAULT_STEP_DECAY = 0.8
+
+
+def unrolled_steps(objective: str | None, ttt_steps: int) -> int:
+    """Drafter steps each training row runs forward+backward: the row-step budget's factor."""
+    return 1 if objective == "eagle1" else ttt_steps
+
 
 class Config(TrainConfig):
     ttt_steps: int = Field(7, ge=1)
     """Unrolled drafting steps per training row; set through `drafting.ttt_steps`."""
     tau_k: int = Field(6, ge=1)
     """Draft length K of the simulated tau; set through `drafting.k`."""
-    step_decay: float = Field(0.8, gt=0, le=1)
+    step_decay: float = Field(DEFAULT_STEP_DECAY, gt=0, le=1)
     """Step k's loss weight is step_decay^k (EAGLE-3's 0.8)."""
     temperature: float = Field(1.0, ge=0)
     """Teacher temperature; 0 trains on the target's argmax (a one-hot teacher)."""
+    objective: Objective | None = optional_field(
+        "eagle3 (unset): training-time test over ttt_steps; eagle1: EAGLE-1's feature "
+        "regression + 0.1 x CE on one teacher-forced step, to compare the objectives. Unset "
+        "rather than 'eagle3' by default so existing sft versions stay unchanged"
+    )
+
+    @field_validator("objective")
+    @classmethod
+    def _eagle3_is_unset(cls, value: str | None) -> str | None:
+        # Naming the default explicitly must give the default's version.
+        return None if value == "eagle3" else value
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -65,11 +91,22 @@ class Config(TrainConfig):
             raise ValueError(f"tau_k ({self.tau_k}) cannot exceed ttt_steps ({self.ttt_steps})")
         if self.steps is None and self.epochs is None:
             raise ValueError("set either steps or epochs")
+        if self.objective == "eagle1" and self.step_decay != DEFAULT_STEP_DECAY:
+            raise ValueError(
+                f"sft.step_decay ({self.step_decay}) weights training-time-test steps, which "
+                "objective=eagle1 does not unroll: drop the step_decay setting"
+            )
         return self
+
+    @property
+    def unroll_depth(self) -> int:
+        """Unrolled steps per training row (see `unrolled_steps`)."""
+        return unrolled_steps(self.objective, self.ttt_steps)
 
 
 class TTTUnroll(nn.Module):
-    """The whole training-time-test unroll as one forward, so DDP sees one forward per backward."""
+    """The whole training-time-test unroll as one forward, so DDP sees one forward per backward.
+    Returns per step the logits [B, T, Vd], valid rows [B, T] and hidden_out [B, T, H]."""
 
     def __init__(self, drafter: Eagle3Drafter, steps: int):
         super().__init__()
@@ -78,9 +115,9 @@ class TTTUnroll(nn.Module):
 
     def forward(
         self, aux_hidden: Tensor, input_ids: Tensor, loss_mask: Tensor
-    ) -> tuple[list[Tensor], list[Tensor]]:
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         out = ttt_unroll(self.drafter, aux_hidden, input_ids, steps=self.steps, loss_mask=loss_mask)
-        return [s.logits for s in out], [s.valid for s in out]
+        return [s.logits for s in out], [s.valid for s in out], [s.hidden_out for s in out]
 
 
 def new_drafter(target: Any, vocab: DraftVocab, seed: int) -> Eagle3Drafter:
@@ -96,22 +133,40 @@ def to_device(batch: training.PaddedBatch, device: torch.device) -> dict[str, Te
     return cols
 
 
+def objective_loss(
+    objective: str | None,
+    logits: list[Tensor],
+    valid: list[Tensor],
+    hidden: list[Tensor],
+    teacher: Tensor,
+    last_hidden: Tensor,
+    step_decay: float,
+) -> Tensor:
+    """The training loss of an unroll's steps: EAGLE-3's TTT soft-CE over every step, or
+    EAGLE-1's objective on step 0 (the only step it trains)."""
+    if objective == "eagle1":
+        return eagle1_loss(logits[0], hidden[0], valid[0], teacher, last_hidden)
+    return sft_loss(logits, valid, teacher, step_decay)
+
+
 def train_step(
     model: nn.Module, batch: training.PaddedBatch, target: Any, vocab: DraftVocab, cfg: Config
 ) -> StepOutput:
-    """The TTT loss of one batch, with its per-step T=0 accuracy (summed over ranks)."""
+    """The objective's loss on one batch, with its per-step T=0 accuracy (summed over ranks)."""
     b = to_device(batch, target.device)
     with torch.no_grad():
         target_logits = target.logits_from_hidden(b["last_hidden"])  # [B, T, V]
         teacher = teacher_draft_probs(target_logits, vocab, cfg.temperature)  # [B, T, Vd]
     with autocast(target.device, cfg.bf16):
-        logits, valid = model(b["aux_hidden"], b["input_ids"], b["loss_mask"])
-    loss = sft_loss(logits, valid, teacher, cfg.step_decay)
+        logits, valid, hidden = model(b["aux_hidden"], b["input_ids"], b["loss_mask"])
+    loss = objective_loss(
+        cfg.objective, logits, valid, hidden, teacher, b["last_hidden"], cfg.step_decay
+    )
     acc = training.ttt_acceptance(
-        logits, valid, target_logits, vocab, chain_k=cfg.tau_k, expected=False
+        logits, valid, target_logits, vocab, chain_k=min(cfg.tau_k, len(logits)), expected=False
     ).all_reduce()
     tokens = batch.num_tokens
-    return StepOutput(loss, tokens, tokens * cfg.ttt_steps, {"acc": acc.accuracy()})
+    return StepOutput(loss, tokens, tokens * cfg.unroll_depth, {"acc": acc.accuracy()})
 
 
 @torch.no_grad()
@@ -125,8 +180,10 @@ def validate(
     temperature: float,
     step_decay: float,
     bf16: bool,
+    objective: str | None = None,
 ) -> dict[str, Any]:
-    """Held-out TTT loss, per-step T=0 accuracy, expected alpha and the simulated taus (all ranks)."""
+    """Held-out loss of `objective`, and over a `ttt_steps` unroll the per-step T=0 accuracy,
+    expected alpha and the simulated taus (all ranks)."""
     vocab = drafter.vocab
     device = next(drafter.parameters()).device
     stats = training.AcceptanceStats.zeros(ttt_steps, tau_k)
@@ -147,7 +204,10 @@ def validate(
                     loss_mask=b["loss_mask"],
                 )
             logits, valid = [s.logits for s in out], [s.valid for s in out]
-            loss = sft_loss(logits, valid, teacher, step_decay)
+            hidden = [s.hidden_out for s in out]
+            loss = objective_loss(
+                objective, logits, valid, hidden, teacher, b["last_hidden"], step_decay
+            )
             loss_sum += torch.tensor(
                 [float(loss) * batch.num_tokens, batch.num_tokens], dtype=torch.float64
             )
@@ -222,7 +282,7 @@ def run(
         cfg,
         stage="sft",
         drafter=drafter,
-        forward=TTTUnroll(drafter, cfg.ttt_steps),
+        forward=TTTUnroll(drafter, cfg.unroll_depth),
         loader=train,
         total_steps=cfg.epoch_steps(len(train)),
         work_dir=output.store.root / "_work" / "sft" / output.version,
@@ -255,6 +315,7 @@ def run(
             temperature=cfg.temperature,
             step_decay=cfg.step_decay,
             bf16=cfg.bf16,
+            objective=cfg.objective,
         )
         log.info(
             "[sft] step %d: val loss %.4f, acc %s, tau_sim %.3f, tau_chain %.3f",
@@ -276,6 +337,7 @@ def run(
         "more_features": [str(ds.ref) for ds in sources[1:]],
         "train_sequences": len(train_rows),
         "val_sequences": len(val_rows),
+        "objective": cfg.objective or "eagle3",
         "draft_vocab_size": vocab.draft_vocab_size,
         "aux_layer_ids": list(target.aux_layer_ids),
         "target": ctx.target_loader.identity,
@@ -294,7 +356,7 @@ STAGE = Stage(
     version="1",
     config=Config,
     run=run,
-    doc="EAGLE-3 warm-up with training-time test on cached features",
+    doc="EAGLE-3 warm-up with training-time test (or EAGLE-1's objective) on cached features",
     inputs={"features": ("features", "rollouts")},
     # Continued SFT: start from a trained drafter; train on more feature sets (same map) too.
     optional_inputs={"drafter": DRAFTER_KINDS, "more_features": ("features", "rollouts")},

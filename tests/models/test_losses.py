@@ -8,13 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.drafter import DraftVocab
+from models.drafter import DraftVocab, shift_left
 from models.losses import (
     acceptance_rate,
     ce_rollout_loss,
     draft_opd_loss,
     draft_to_target_probs,
+    eagle1_loss,
     expected_accepted_length,
+    feature_regression,
     forward_kl,
     masked_mean,
     replay_loss,
@@ -335,6 +337,105 @@ def test_sft_loss_scores_step_k_against_the_teacher_k_plus_1_rows_later():
     torch.testing.assert_close(sft_loss(dirty, valid, teacher, 0.8), got)
     # and the alignment matters: the unshifted teacher gives another value
     assert not torch.isclose(got, ttt_loss(logits, [teacher] * 3, valid, 0.8))
+
+
+# ----------------------------------------------------------------------------- EAGLE-1
+
+
+H = 4
+
+
+def _features(seed=0, dtype=torch.float32):
+    """(hidden_out, target_hidden [B, T, H], step-0 valid mask [B, T]) with errors on both
+    sides of smooth-L1's beta = 1."""
+    g = torch.Generator().manual_seed(seed)
+    pred = (torch.randn(B, T, H, generator=g) * 1.5).to(dtype)
+    target = (torch.randn(B, T, H, generator=g) * 1.5).to(dtype)
+    valid = torch.rand(B, T, generator=g) > 0.3
+    valid[:, -2:] = False  # row t is valid only if x_{t+2} exists
+    valid[0, 0] = True
+    return pred, target, valid
+
+
+def _smooth_l1(d: float) -> float:
+    return 0.5 * d * d if abs(d) < 1 else abs(d) - 0.5
+
+
+def test_feature_regression_matches_brute_force_and_is_zero_at_a_perfect_prediction():
+    pred, target, mask = _features()
+    rows = [
+        sum(_smooth_l1(float(pred[b, t, h] - target[b, t, h])) for h in range(H)) / H
+        for b in range(B)
+        for t in range(T)
+        if mask[b, t]
+    ]
+    got = feature_regression(pred, target, mask)
+    torch.testing.assert_close(got, torch.tensor(sum(rows) / len(rows)))
+    assert feature_regression(target, target, mask).item() == 0
+    # bf16 features are compared in fp32
+    assert feature_regression(pred.bfloat16(), target.bfloat16(), mask).dtype == torch.float32
+
+
+def test_feature_regression_is_quadratic_for_small_errors_and_linear_for_large_ones():
+    target = torch.zeros(1, 1, H)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    small, large = torch.full((1, 1, H), 0.2), torch.full((1, 1, H), 3.0)
+    reg = lambda x: feature_regression(x, target, mask)  # noqa: E731
+    torch.testing.assert_close(reg(2 * small), 4 * reg(small))  # 0.5 d^2 below beta
+    torch.testing.assert_close(reg(2 * large) - reg(large), large[0, 0, 0])  # |d| - 0.5 above
+
+
+def test_feature_regression_masks_rows_and_sends_no_gradient_to_the_target():
+    pred, target, mask = _features(1)
+    check_masked_rows_change_nothing(feature_regression, pred, target, mask=mask)
+    target = target.clone().requires_grad_(True)
+    feature_regression(pred.requires_grad_(True), target, mask).backward()
+    assert target.grad is None and pred.grad.abs().sum() > 0
+    pred64, target64, _ = _features(2, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda x: feature_regression(x, target64, mask), pred64.requires_grad_(True)
+    )
+
+
+def test_eagle1_loss_scores_row_t_against_position_t_plus_1_with_ce_weight_0_1():
+    logits, teacher, _ = random_inputs(3)
+    pred, target, valid = _features(3)
+    got = eagle1_loss(logits, pred, valid, teacher, target)
+    # brute force: row t's hidden vs the target state at t+1, its logits vs the teacher at t+1
+    reg_rows, ce_rows = [], []
+    for b in range(B):
+        for t in range(T - 1):
+            if valid[b, t]:
+                d = pred[b, t] - target[b, t + 1]
+                reg_rows.append(sum(_smooth_l1(float(x)) for x in d) / H)
+                ce_rows.append(-(teacher[b, t + 1] * logits[b, t].log_softmax(-1)).sum())
+    want = sum(reg_rows) / len(reg_rows) + 0.1 * torch.stack(ce_rows).mean()
+    torch.testing.assert_close(got, want)
+    # the CE weight is EAGLE-1's 0.1: the parts add up with that weight and no other
+    n = T - 1
+    reg = feature_regression(pred[:, :n], target[:, 1:], valid[:, :n])
+    ce = soft_cross_entropy(logits[:, :n], teacher[:, 1:], valid[:, :n])
+    torch.testing.assert_close(got, reg + 0.1 * ce)
+    torch.testing.assert_close(eagle1_loss(logits, pred, valid, teacher, target, 1.0), reg + ce)
+    # and the alignment matters: regressing onto the same position gives another value
+    assert not torch.isclose(got, feature_regression(pred, target, valid) + 0.1 * ce)
+
+
+def test_eagle1_loss_is_zero_at_a_perfect_prediction_and_ignores_invalid_rows():
+    _, _, valid = _features(4)
+    target = torch.randn(B, T, H, generator=torch.Generator().manual_seed(4))
+    perfect = shift_left(target, 1)  # row t predicts the state at t+1
+    token = torch.randint(VD, (B, T), generator=torch.Generator().manual_seed(5))
+    teacher = F.one_hot(token, VD).float()
+    logits = 50 * shift_left(teacher, 1)  # all mass on the token the teacher at t+1 wants
+    assert eagle1_loss(logits, perfect, valid, teacher, target).item() == pytest.approx(0, abs=1e-6)
+    # garbage in rows that are not valid (and in the last row, which has no t+1) changes nothing
+    dirty_h, dirty_l = perfect.clone(), logits.clone()
+    dirty_h[~valid], dirty_l[~valid] = float("nan"), float("nan")
+    dirty_h[:, -1], dirty_l[:, -1] = float("nan"), float("nan")
+    assert eagle1_loss(dirty_l, dirty_h, valid, teacher, target).item() == pytest.approx(
+        0, abs=1e-6
+    )
 
 
 def test_ce_rollout_loss_drops_anchor_rows_after_step_zero_only():

@@ -13,8 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from models.drafter import DraftVocab, load_drafter, shift_left, ttt_unroll
-from models.losses import sft_loss, teacher_draft_probs, ttt_loss
-from pipeline import drafters, features, generate, sft, training
+from models.losses import (
+    feature_regression,
+    sft_loss,
+    soft_cross_entropy,
+    teacher_draft_probs,
+    ttt_loss,
+)
+from pipeline import drafters, evaluate, experiment, features, generate, sft, training
 from pipeline.config import version_dict
 from pipeline.profiles import load_config
 from pipeline.runner import RunContext, run_stage
@@ -198,6 +204,95 @@ def test_config_is_strict_and_checked():
     base = version_dict(sft.Config())
     assert version_dict(sft.Config(stop_after_steps=3, checkpoint_every=7, threads=1)) == base
     assert version_dict(sft.Config(lr=1e-4)) != base
+
+
+def test_the_objective_leaves_default_versions_unchanged_and_refuses_ttt_only_settings():
+    # unset (EAGLE-3) is not in the hashed config, so every existing sft version stays valid
+    base = version_dict(sft.Config())
+    assert "objective" not in base
+    assert "objective" not in version_dict(load_config("default").sft)
+    assert "objective" not in version_dict(load_config("tiny").sft)
+    # naming the default explicitly is the default
+    assert sft.Config(objective="eagle3").objective is None
+    assert version_dict(sft.Config(objective="eagle3")) == base
+    assert version_dict(load_config("tiny", sets=["sft.objective=eagle3"]).sft) == version_dict(
+        load_config("tiny").sft
+    )
+    eagle1 = sft.Config(objective="eagle1")
+    assert version_dict(eagle1) == base | {"objective": "eagle1"}
+    assert (eagle1.unroll_depth, sft.Config().unroll_depth) == (1, sft.Config().ttt_steps)
+    with pytest.raises(ValueError, match="drop the step_decay setting"):
+        sft.Config(objective="eagle1", step_decay=0.5)
+    with pytest.raises(OpdError, match="drop the step_decay setting"):
+        load_config("tiny", sets=["sft.objective=eagle1", "sft.step_decay=0.5"])
+    with pytest.raises(OpdError, match="'eagle3' or 'eagle1'"):
+        load_config("tiny", sets=["sft.objective=eagle2"])
+
+
+def test_eagle1_trains_one_step_on_the_next_positions_state_and_its_drafter_evaluates(
+    tiny_features,
+):
+    store, ctx, feats = tiny_features
+    target = ctx.target_loader.target
+    cfg = sft.Config(steps=12, objective="eagle1", ttt_steps=3, tau_k=3, **FAST)
+
+    # one batch by hand: step 0's hidden_out at row t regresses onto last_hidden at t+1
+    v = load_file(feats.file(features.VOCAB_FILE))
+    drafter = sft.new_drafter(target, DraftVocab(v["d2t"], v["t2d"]), seed=0)
+    index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    batch = index.collate([0, 3, 5])
+    out = sft.train_step(
+        sft.TTTUnroll(drafter, cfg.unroll_depth), batch, target, drafter.vocab, cfg
+    )
+    assert out.row_steps == out.tokens == batch.num_tokens  # one unrolled step per row
+    assert len(out.extra["acc"]) == 1
+    b = sft.to_device(batch, target.device)
+    (step0,) = ttt_unroll(
+        drafter, b["aux_hidden"], b["input_ids"], steps=1, loss_mask=b["loss_mask"]
+    )
+    teacher = teacher_draft_probs(target.logits_from_hidden(b["last_hidden"]), drafter.vocab)
+    rows = step0.valid[:, :-1]
+    want = feature_regression(
+        step0.hidden_out[:, :-1], b["last_hidden"][:, 1:], rows
+    ) + 0.1 * soft_cross_entropy(step0.logits[:, :-1], teacher[:, 1:], rows)
+    torch.testing.assert_close(out.loss, want)
+
+    ds = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    assert ds.config["stage"]["objective"] == "eagle1" and ds.meta["objective"] == "eagle1"
+    m = pl.read_parquet(ds.file(drafters.METRICS_FILE))
+    train, val = m.filter(pl.col("kind") == "train"), m.filter(pl.col("kind") == "val")
+    assert train["row_steps"].to_list() == train["tokens"].to_list()
+    assert experiment.sft_budget(ds) == int(train["tokens"].sum())  # not x ttt_steps
+    assert all(len(a) == 1 for a in train["acc"].to_list())
+    # validation unrolls ttt_steps, so it shows acceptance down the chain
+    assert all(len(a) == cfg.ttt_steps for a in val["acc"].to_list())
+    losses = train["loss"].to_list()
+    assert sum(losses[-3:]) < sum(losses[:3])  # it learns
+    # the validation loss is EAGLE-1's, as reloading the drafter reproduces
+    fit_rows, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
+    loaders = {
+        name: training.FeatureLoader(
+            index, rows, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, shuffle=False
+        )
+        for name, rows in (("train", fit_rows), ("val", val_rows))
+    }
+    how = dict(ttt_steps=3, tau_k=3, temperature=1.0, step_decay=0.8, bf16=False)
+    trained = load_drafter(ds.path, target.embed_weight)
+    again = sft.validate(trained, loaders["val"], target, objective="eagle1", **how)
+    assert again["loss"] == val["loss"][-1]
+    assert sft.validate(trained, loaders["val"], target, **how)["loss"] != again["loss"]
+    # it fits its training rows (a random target's next state does not generalise to 2
+    # held-out sequences, so the held-out loss is no test of learning here)
+    fit = {
+        name: sft.validate(d, loaders["train"], target, objective="eagle1", **how)["loss"]
+        for name, d in (("fresh", drafter), ("trained", trained))
+    }
+    assert fit["trained"] < fit["fresh"]
+
+    prompts = store.open(store.open(feats.inputs["trajectories"]).inputs["prompts"])
+    ecfg = evaluate.Config(k=3, max_prompts=3, max_new_tokens=8, batch_size=3)
+    ev = run_stage(evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": ds}, ctx).dataset
+    assert ev.meta["drafter"] == str(ds.ref) and 1 <= ev.meta["tau"] <= 4
 
 
 def test_sft_loss_scores_step_k_against_the_teacher_at_t_plus_k_plus_1(tiny_features):
