@@ -7,6 +7,7 @@ errors print one line, `error: ...`, and exit 2; nothing is written.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -631,21 +632,63 @@ def experiment_group() -> None:
     """Experiments that compare training methods end to end."""
 
 
+_EXPERIMENT_OPTIONS = [
+    click.option(
+        "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+    ),
+    click.option(
+        "--set",
+        "sets",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override one config value (repeatable).",
+    ),
+    click.option(
+        "--budget",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Drafter row-steps per arm or variant [default: --budget-ratio x the warm-up's].",
+    ),
+    click.option(
+        "--prompts",
+        "prompts_ref",
+        default=None,
+        help="Use this prompts dataset instead of running the prompts stage.",
+    ),
+    click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON."),
+]
+
+
+def _experiment_options(f):
+    for option in reversed(_EXPERIMENT_OPTIONS):
+        f = option(f)
+    return f
+
+
+def _experiment_context(
+    store: Store, profile: str, sets: tuple[str, ...], as_json: bool, name: str
+) -> tuple[Any, Any]:
+    """(config, RunContext) of an experiment command; logs unless the output is JSON."""
+    from pipeline.runner import RunContext
+
+    cfg, loader = _loader(_config(profile, sets), profile, sets)
+    if not as_json:
+        _setup_logging()
+    ctx = RunContext(store=store, target_loader=loader, progress=not as_json, run_name=name)
+    return cfg, ctx
+
+
+def _command_line(store: Store, args: list[str]) -> str:
+    """The command as the report quotes it (the options that were given, in canonical form)."""
+    return shlex.join(["opd", "--root", str(store.root), "experiment", *args])
+
+
 @experiment_group.command("opd-vs-sft")
-@click.option(
-    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
-)
-@click.option(
-    "--set",
-    "sets",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override one config value (repeatable).",
-)
+@_experiment_options
 @click.option(
     "--seeds",
     type=click.IntRange(min=1),
-    default=2,
+    default=3,
     show_default=True,
     help="Seeds per arm (mean and spread over them).",
 )
@@ -657,14 +700,8 @@ def experiment_group() -> None:
     "running disjoint seeds share it.",
 )
 @click.option(
-    "--budget",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Drafter row-steps per arm [default: --budget-ratio x the warm-up's].",
-)
-@click.option(
     "--budget-ratio",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     default=1.0,
     show_default=True,
     help="Budget per arm as a share of the SFT warm-up's row-steps.",
@@ -676,13 +713,6 @@ def experiment_group() -> None:
     help="Sample the fresh target sequences continued SFT trains on at this temperature "
     "[default: the OPD rollouts' temperature].",
 )
-@click.option(
-    "--prompts",
-    "prompts_ref",
-    default=None,
-    help="Use this prompts dataset instead of running the prompts stage.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 @click.pass_obj
 def opd_vs_sft_cmd(
     store: Store,
@@ -697,22 +727,21 @@ def opd_vs_sft_cmd(
     as_json: bool,
 ) -> None:
     """From one SFT warm-up, spend the same drafter budget on continued SFT and on Draft-OPD
-    rounds; compare tau on held-out prompts at T=0 and T=1.
+    rounds; compare tau on held-out prompts at T=0 and T=1, and plot held-out tau against
+    row-steps for both arms. Writes a report dataset (experiment@VERSION).
 
     The budget counts drafter forward+backward row-steps (TTT-unrolled rows x steps).
     """
     from pipeline import experiment
-    from pipeline.runner import RunContext
 
-    cfg, loader = _loader(_config(profile, sets), profile, sets)
-    if not as_json:
-        _setup_logging()
-    ctx = RunContext(
-        store=store,
-        target_loader=loader,
-        progress=not as_json,
-        run_name="experiment-opd-vs-sft",
-    )
+    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-opd-vs-sft")
+    args = ["opd-vs-sft", "--profile", profile, *(f"--set={s}" for s in sets)]
+    args += ["--seeds", str(seeds)]
+    args += ["--first-seed", str(first_seed)] if first_seed is not None else []
+    args += ["--budget", str(budget)] if budget else ["--budget-ratio", f"{budget_ratio:g}"]
+    if sft_data_temperature is not None:
+        args += ["--sft-data-temperature", f"{sft_data_temperature:g}"]
+    args += ["--prompts", prompts_ref] if prompts_ref else []
     result = experiment.opd_vs_sft(
         cfg,
         ctx,
@@ -722,8 +751,71 @@ def opd_vs_sft_cmd(
         budget_ratio=budget_ratio,
         sft_data_temperature=sft_data_temperature,
         prompts=store.open(prompts_ref) if prompts_ref else None,
+        command=_command_line(store, args),
     )
     click.echo(json.dumps(result, indent=2) if as_json else experiment.summary_text(result))
+
+
+@experiment_group.command("ablate")
+@_experiment_options
+@click.option(
+    "--factors",
+    default="loss",
+    show_default=True,
+    help="Comma-separated factors to vary, one at a time around the OPD defaults: loss (every "
+    "opd.loss), replays (greedy vs sampled at T=1), rounds (1-4), samples (replays per anchor "
+    "at T=1: 1, 2, 4), gamma (0.5, 0.8, 1.0).",
+)
+@click.option(
+    "--seeds",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Seeds per variant (mean and spread over them).",
+)
+@click.option(
+    "--budget-ratio",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.25,
+    show_default=True,
+    help="Budget per variant as a share of the SFT warm-up's row-steps (small, so the default "
+    "grid runs in about an hour on the default profile).",
+)
+@click.pass_obj
+def ablate_cmd(
+    store: Store,
+    profile: str,
+    sets: tuple[str, ...],
+    factors: str,
+    seeds: int,
+    budget: int | None,
+    budget_ratio: float,
+    prompts_ref: str | None,
+    as_json: bool,
+) -> None:
+    """Draft-OPD variants, one factor at a time, from opd-vs-sft's SFT warm-up at one drafter
+    budget; tau at T=0 and T=1 per variant over seeds. Writes a report dataset
+    (experiment@VERSION: Parquet table, PNG plot, report.md).
+    """
+    from pipeline import experiment
+
+    names = [f.strip() for f in factors.split(",") if f.strip()]
+    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-ablate")
+    args = ["ablate", "--profile", profile, *(f"--set={s}" for s in sets)]
+    args += ["--factors", ",".join(names), "--seeds", str(seeds)]
+    args += ["--budget", str(budget)] if budget else ["--budget-ratio", f"{budget_ratio:g}"]
+    args += ["--prompts", prompts_ref] if prompts_ref else []
+    result = experiment.ablate(
+        cfg,
+        ctx,
+        factors=names,
+        seeds=seeds,
+        budget=budget,
+        budget_ratio=budget_ratio,
+        prompts=store.open(prompts_ref) if prompts_ref else None,
+        command=_command_line(store, args),
+    )
+    click.echo(json.dumps(result, indent=2) if as_json else experiment.ablate_summary_text(result))
 
 
 @experiment_group.command("objectives")

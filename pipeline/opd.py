@@ -39,7 +39,9 @@ input drafter unchanged, with `"trained": false` in its summary, so a chain goes
 The loop is `pipeline.trainer.Trainer`, shared with `sft` (checkpoints with exact resume in
 `<root>/_work/opd/<version>/`, DDP under `torchrun`). Validation on held-out sequences (by
 seq_id): the replay loss and per-step acceptance on their replays, and the teacher-forced
-acceptance / simulated tau on their rollout features (as `sft` reports it).
+acceptance / simulated tau on their rollout features (as `sft` reports it); with an optional
+`heldout` input, also the teacher-forced acceptance on those sequences (`heldout_*`, as `sft`
+logs it), so an opd run and a continued-SFT run are compared on the same sequences.
 """
 
 from __future__ import annotations
@@ -490,13 +492,8 @@ def validate_replays(
     }
 
 
-def _validate(
-    drafter: Eagle3Drafter,
-    replay_val: training.FeatureLoader | None,
-    ttt_val: training.FeatureLoader | None,
-    target: Any,
-    cfg: Config,
-) -> dict[str, Any]:
+def _validate(drafter: Eagle3Drafter, data: _Data, target: Any, cfg: Config) -> dict[str, Any]:
+    replay_val, ttt_val = data.replay_val, data.ttt_val
     row: dict[str, Any] = {}
     if ttt_val is not None:
         ttt = sft.validate(
@@ -513,6 +510,10 @@ def _validate(
         row["ttt_loss"] = ttt["loss"]
     if replay_val is not None:
         row |= validate_replays(drafter, replay_val, target, cfg)
+    if data.heldout is not None:
+        row |= sft.validate_heldout(
+            drafter, data.heldout, target, k=cfg.val_ttt_steps, bf16=cfg.bf16
+        )
     return row
 
 
@@ -522,8 +523,8 @@ def _validate(
 def _check_inputs(cfg: Config, inputs: dict[str, Dataset], identity: dict) -> None:
     """Everything must come from one target, one vocab map, and the rollouts replayed on."""
     replays, rollouts, source = inputs["replays"], inputs["rollouts"], inputs["drafter"]
-    feats = inputs.get("features")
-    for ds in (replays, rollouts, source, feats):
+    feats, heldout = inputs.get("features"), inputs.get("heldout")
+    for ds in (replays, rollouts, source, feats, heldout):
         if ds is not None:
             check_same_target(ds, identity)
     scored_on = replays.inputs.get("rollouts")
@@ -532,7 +533,7 @@ def _check_inputs(cfg: Config, inputs: dict[str, Dataset], identity: dict) -> No
             f"{replays.ref} was scored on {scored_on}, not on {rollouts.ref}: pass the rollouts "
             "its seq_ids and anchors refer to"
         )
-    check_same_vocab(source, [d for d in (replays, rollouts, feats) if d is not None])
+    check_same_vocab(source, [d for d in (replays, rollouts, feats, heldout) if d is not None])
     wants_features = cfg.ce_lambda > 0 and cfg.ce_source == "features"
     if wants_features != (feats is not None):
         raise OpdError(
@@ -553,6 +554,7 @@ class _Data:
     replay_val: training.FeatureLoader | None
     ttt_val: training.FeatureLoader | None
     anchor: training.FeatureLoader | None
+    heldout: training.FeatureLoader | None
 
 
 def _setup_data(
@@ -611,6 +613,9 @@ def _setup_data(
         replay_val=training.FeatureLoader(index, val_items, **held) if val_items else None,
         ttt_val=training.FeatureLoader(index.features, val_seqs, **held) if val_seqs else None,
         anchor=anchor,
+        heldout=sft.heldout_loader(inputs["heldout"], cfg, rank, world_size, pin_memory=pin_memory)
+        if "heldout" in inputs
+        else None,
     )
 
 
@@ -808,17 +813,18 @@ def run(
         )
 
     def validation(step: int) -> dict[str, Any]:
-        row = _validate(drafter, data.replay_val, data.ttt_val, target, cfg)
+        row = _validate(drafter, data, target, cfg)
         log.info(
-            "[opd] step %d: val replay loss %s, replay acc %s, tau_sim %s",
+            "[opd] step %d: val replay loss %s, replay acc %s, tau_sim %s, held-out tau_sim %s",
             step,
             row.get("loss"),
             [round(a, 3) for a in row.get("replay_acc") or []],
             row.get("tau_sim"),
+            row.get("heldout_tau_sim"),
         )
         return row
 
-    has_val = data.replay_val is not None or data.ttt_val is not None
+    has_val = any(v is not None for v in (data.replay_val, data.ttt_val, data.heldout))
     with contextlib.closing(anchor_stream) if anchor_stream else contextlib.nullcontext():
         result = trainer.train(
             loss_step, validation if has_val else None, validate_at_start=has_val
@@ -841,7 +847,10 @@ STAGE = Stage(
     run=run,
     doc="Draft-OPD: train the drafter on its own replayed proposals, scored by the target",
     inputs={"replays": ("replays",), "rollouts": ("rollouts",), "drafter": DRAFTER_KINDS},
-    optional_inputs={"features": ("features",)},  # the soft-CE anchor's data (ce_source)
+    optional_inputs={
+        "features": ("features",),  # the soft-CE anchor's data (ce_source)
+        "heldout": ("rollouts", "features"),  # measured at every validation, never trained on
+    },
     default_inputs={"drafter": "sft@latest"},
     per_round=True,
     drafting={"val_ttt_steps": "k"},

@@ -3,6 +3,11 @@
 Consumes `features` (and the target it was made with: only its frozen embedding and LM head
 are used, never a forward); optionally a trained `drafter` to continue from and `more_features`
 (same target and vocab map, e.g. the original features beside fresh rollouts) to train on too.
+An optional `heldout` input (feature sequences the stage never trains on, e.g. a rollout of
+held-out prompts by the starting drafter, so it carries the same vocab map) makes every
+validation also log the teacher-forced acceptance on them as `heldout_*` (over drafting.k
+steps, as `opd` logs it), starting at step 0, so runs of both stages are compared on the same
+sequences.
 Produces `sft`, a drafter dataset (layout in `pipeline.drafters`; the draft-vocab map is
 copied unchanged from the features).
 
@@ -220,6 +225,40 @@ def validate(
     return {"loss": float(loss_sum[0] / loss_sum[1].clamp_min(1)), **stats.summary()}
 
 
+def heldout_loader(
+    ds: Dataset, cfg: TrainConfig, rank: int, world_size: int, *, pin_memory: bool = False
+) -> training.FeatureLoader:
+    """Every sequence of a `heldout` input, in order, batched like the stage's validation."""
+    index = training.FeatureIndex([ds], FEATURE_COLUMNS)
+    return training.FeatureLoader(
+        index,
+        range(len(index)),
+        batch_size=cfg.batch_size,
+        max_tokens=cfg.max_tokens,
+        rank=rank,
+        world_size=world_size,
+        pin_memory=pin_memory,
+        shuffle=False,
+        equal_ranks=False,
+    )
+
+
+def validate_heldout(
+    drafter: Eagle3Drafter, loader: training.FeatureLoader, target: Any, *, k: int, bf16: bool
+) -> dict[str, Any]:
+    """The `heldout_*` columns of a val row: teacher-forced acceptance over k steps (the loss's
+    settings differ between stages, so only the acceptance, which depends on none, is kept)."""
+    row = validate(
+        drafter, loader, target, ttt_steps=k, tau_k=k, temperature=1.0, step_decay=1.0, bf16=bf16
+    )
+    return {
+        "heldout_acc": row["acc"],
+        "heldout_tau_sim": row["tau_sim"],
+        "heldout_tau_expected": row["tau_expected"],
+        "heldout_tau_chain": row["tau_chain"],
+    }
+
+
 def _starting_drafter(
     inputs: dict[str, Dataset], target: Any, vocab: DraftVocab, cfg: Config, ctx: RunContext
 ) -> Eagle3Drafter:
@@ -261,7 +300,8 @@ def run(
 ) -> dict:
     feats = inputs["features"]
     sources = [feats, *([inputs["more_features"]] if "more_features" in inputs else [])]
-    for ds in sources:
+    heldout = inputs.get("heldout")
+    for ds in [*sources, *([heldout] if heldout is not None else [])]:
         check_same_target(ds, ctx.target_loader.identity)
     rank, world_size = training.resolve_ranks(rank, world_size)
     if (summary := written_summary(output)) is not None:
@@ -269,14 +309,16 @@ def run(
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     target = ctx.target_loader.target
-    check_same_vocab(feats, sources[1:])
+    check_same_vocab(feats, [*sources[1:], *([heldout] if heldout is not None else [])])
     vocab_tensors = vocab_of(feats)
     vocab = DraftVocab(vocab_tensors["d2t"], vocab_tensors["t2d"])
 
-    train, val = _setup_data(
-        cfg, sources, rank, world_size, pin_memory=target.device.type == "cuda"
-    )
+    pin = target.device.type == "cuda"
+    train, val = _setup_data(cfg, sources, rank, world_size, pin_memory=pin)
     train_rows, val_rows = train.rows, val.rows
+    held = None
+    if heldout is not None:
+        held = heldout_loader(heldout, cfg, rank, world_size, pin_memory=pin)
     drafter = _starting_drafter(inputs, target, vocab, cfg, ctx)
     trainer = Trainer(
         cfg,
@@ -306,31 +348,43 @@ def run(
         return train_step(model, batch, target, vocab, cfg)
 
     def validation(step: int) -> dict[str, Any]:
-        row = validate(
-            drafter,
-            val,
-            target,
-            ttt_steps=cfg.ttt_steps,
-            tau_k=cfg.tau_k,
-            temperature=cfg.temperature,
-            step_decay=cfg.step_decay,
-            bf16=cfg.bf16,
-            objective=cfg.objective,
-        )
-        log.info(
-            "[sft] step %d: val loss %.4f, acc %s, tau_sim %.3f, tau_chain %.3f",
-            step,
-            row["loss"],
-            [round(a, 3) for a in row["acc"]],
-            row["tau_sim"],
-            row["tau_chain"],
-        )
+        row: dict[str, Any] = {}
+        if val_rows:
+            row = validate(
+                drafter,
+                val,
+                target,
+                ttt_steps=cfg.ttt_steps,
+                tau_k=cfg.tau_k,
+                temperature=cfg.temperature,
+                step_decay=cfg.step_decay,
+                bf16=cfg.bf16,
+                objective=cfg.objective,
+            )
+            log.info(
+                "[sft] step %d: val loss %.4f, acc %s, tau_sim %.3f, tau_chain %.3f",
+                step,
+                row["loss"],
+                [round(a, 3) for a in row["acc"]],
+                row["tau_sim"],
+                row["tau_chain"],
+            )
+        if held is not None:
+            row |= validate_heldout(drafter, held, target, k=cfg.tau_k, bf16=cfg.bf16)
+            log.info("[sft] step %d: held-out tau_sim %.3f", step, row["heldout_tau_sim"])
         return row
 
-    result = trainer.train(loss_step, validation if val_rows else None)
+    # With held-out sequences the curve starts at the starting drafter (step 0), as opd's does.
+    result = trainer.train(
+        loss_step,
+        validation if val_rows or held is not None else None,
+        validate_at_start=held is not None,
+    )
     if rank != 0:
         return {}
-    last_val = next((m for m in reversed(result.metrics) if m["kind"] == "val"), None)
+    last_val = next(
+        (m for m in reversed(result.metrics) if m["kind"] == "val" and m["loss"] is not None), None
+    )
     run_summary = result.summary()
     summary = {
         "features": str(feats.ref),
@@ -359,7 +413,11 @@ STAGE = Stage(
     doc="EAGLE-3 warm-up with training-time test (or EAGLE-1's objective) on cached features",
     inputs={"features": ("features", "rollouts")},
     # Continued SFT: start from a trained drafter; train on more feature sets (same map) too.
-    optional_inputs={"drafter": DRAFTER_KINDS, "more_features": ("features", "rollouts")},
+    optional_inputs={
+        "drafter": DRAFTER_KINDS,
+        "more_features": ("features", "rollouts"),
+        "heldout": ("rollouts", "features"),  # measured at every validation, never trained on
+    },
     drafting={"ttt_steps": "ttt_steps", "tau_k": "k"},
     ddp=True,
 )

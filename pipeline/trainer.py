@@ -28,13 +28,13 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-from pydantic import Field
+from pydantic import Field, PositiveInt
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from models.drafter import Eagle3Drafter, drafter_tensors
 from pipeline import training
-from pipeline.config import StrictConfig, runtime_field
+from pipeline.config import StrictConfig, optional_field, runtime_field
 from storage import OpdError
 
 log = logging.getLogger("opd")
@@ -55,6 +55,12 @@ METRICS_SCHEMA = pa.schema(
         ("tau_sim", pa.float64()),
         ("tau_expected", pa.float64()),
         ("tau_chain", pa.float64()),
+        # val, with a `heldout` input: teacher-forced acceptance on sequences neither stage
+        # trains on, over drafting.k steps in both stages, so sft and opd curves compare
+        ("heldout_acc", pa.list_(pa.float64())),
+        ("heldout_tau_sim", pa.float64()),
+        ("heldout_tau_expected", pa.float64()),
+        ("heldout_tau_chain", pa.float64()),
     ]
 )
 """The columns of both stages' `metrics.parquet`; opd appends its replay metrics."""
@@ -94,6 +100,10 @@ class TrainConfig(StrictConfig):
     """Share of sequences held out for validation (chosen by hashing seq_id with the seed)."""
     val_every: int = Field(100, ge=1)
     """Validate every N steps, and after the last step."""
+    validations: PositiveInt | None = optional_field(
+        "validate this many times, evenly spaced over the run (overrides val_every): a run "
+        "whose length is set by a budget gets a known number of points on its curve"
+    )
     seed: int = 0
     bf16: bool = True
     """bf16 autocast (fp32 master weights): 1.4-1.8x faster on CPUs with AMX (ENV-NOTES)."""
@@ -111,6 +121,16 @@ class TrainConfig(StrictConfig):
         if self.epochs is None:
             raise OpdError("set steps or epochs")
         return math.ceil(self.epochs * per_epoch)
+
+    def validation_steps(self, total_steps: int) -> set[int]:
+        """The steps after which to validate: every `val_every`-th, or `validations` evenly
+        spaced ones; the last step always."""
+        if self.validations is None:
+            every = set(range(self.val_every, total_steps + 1, self.val_every))
+        else:
+            n = self.validations
+            every = {math.ceil(i * total_steps / n) for i in range(1, n + 1)}
+        return every | {total_steps}
 
 
 class TrainingStopped(OpdError):
@@ -278,6 +298,7 @@ class Trainer:
     ) -> TrainResult:
         """Steps until `total_steps`; returns the metrics of every step (resumed ones included)."""
         cfg, total = self.cfg, self.total
+        val_steps = cfg.validation_steps(total)
         if validate is not None and validate_at_start and self.step == 0:
             self._validate(validate, 0)
         forward = training.wrap_ddp(self.forward)
@@ -311,7 +332,7 @@ class Trainer:
                     bar.update()
 
                     t_side = time.perf_counter()  # validation and checkpoints are not step time
-                    if validate is not None and (step % cfg.val_every == 0 or step == total):
+                    if validate is not None and step in val_steps:
                         self._validate(validate, step)
                     stopping = cfg.stop_after_steps is not None and step >= cfg.stop_after_steps
                     if self.rank == 0 and (step % cfg.checkpoint_every == 0 or stopping):
