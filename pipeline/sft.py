@@ -11,8 +11,9 @@ back its own hidden state and reads ground-truth tokens) and minimises
 sum_k step_decay^k * soft-CE(q_k, p), p = the target's distribution on the draft vocab,
 recomputed from the cached last hidden state through the frozen LM head.
 
-The loop is `pipeline.trainer.Trainer` (shared with `opd`): written for `torchrun`, resumable
-from checkpoints in `<root>/_work/sft/<version>/`, bit-for-bit on CPU.
+The loop is `pipeline.trainer.Trainer` (shared with `opd`): written for `torchrun` (DDP, or
+FSDP with `sft.fsdp`), resumable from checkpoints in `<root>/_work/sft/<version>/`, bit-for-bit
+on CPU.
 """
 
 from __future__ import annotations
@@ -245,9 +246,9 @@ def run(
     def loss_step(model: nn.Module, batch: training.PaddedBatch, step: int) -> StepOutput:
         return train_step(model, batch, target, vocab, cfg)
 
-    def validation(step: int) -> dict[str, Any]:
+    def validation(model: Eagle3Drafter, step: int) -> dict[str, Any]:
         row = validate(
-            drafter,
+            model,
             val,
             target,
             ttt_steps=cfg.ttt_steps,
@@ -267,6 +268,7 @@ def run(
         return row
 
     result = trainer.train(loss_step, validation if val_rows else None)
+    drafter = trainer.whole_drafter()
     if rank != 0:
         return {}
     last_val = next((m for m in reversed(result.metrics) if m["kind"] == "val"), None)
