@@ -109,9 +109,9 @@ class TrainConfig(StrictConfig):
         "shard the drafter's weights, gradients and optimizer state over the ranks (FSDP2 "
         "fully_shard) instead of replicating them (DDP), for drafters one GPU cannot train; a "
         "no-op in one process. Not part of the version: like the number of ranks it changes "
-        "only where sums are rounded (the same global batch, schedule and checkpoints; losses "
-        "equal DDP's and one process's within 0.1 %, tests/pipeline/test_distributed.py), and "
-        "a run may resume across it",
+        "only where sums are rounded (the same global batch, schedule and checkpoint files; "
+        "measured: per-step losses within 7e-8 relative of DDP's over 24 sft and opd steps "
+        "on 2 gloo ranks; tests/pipeline/test_distributed.py holds them to one process's)",
     )
 
     def epoch_steps(self, per_epoch: int) -> int:
