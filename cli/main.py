@@ -211,8 +211,8 @@ class _RunCommand(click.Command):
     type=int,
     default=None,
     help="Run as N processes through torch's launcher (torch.distributed.run): sharded stages "
-    "split their shards by rank into one dataset, sft and opd train with DDP. Under an external "
-    "torchrun leave it out.",
+    "split their shards by rank into one dataset, sft and opd train with DDP (FSDP with "
+    "--set sft.fsdp=true / opd.fsdp=true). Under an external torchrun leave it out.",
 )
 @click.pass_obj
 def run_cmd(

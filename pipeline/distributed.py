@@ -6,10 +6,12 @@ starts them the same way. Each process reads RANK / WORLD_SIZE / LOCAL_RANK, joi
 group (NCCL on CUDA, gloo on CPU), takes the GPU of its LOCAL_RANK and runs the chain with every
 other rank, step by step:
 
-- sharded stages (generate, features, rollout, score): rank r writes shards r, r + N, ...; the
-  last rank to finish commits the one dataset version;
-- DDP stages (sft, opd): every rank trains, rank 0 writes and commits;
-- the others (prompts, evaluate, analyze): rank 0 runs them.
+- sharded stages (generate, features, rollout, score, evaluate): rank r writes shards r, r + N,
+  ... (evaluate: its share of the prompts); the last rank to finish commits the one dataset
+  version;
+- training stages (sft, opd): every rank trains (DDP, or FSDP with `fsdp`), rank 0 writes and
+  commits;
+- the others (prompts, analyze): rank 0 runs them.
 
 After each step the ranks meet at a barrier, so the next step reads a committed dataset. The
 Prefect flow reuses `run_rank` for its fan-out: one task per rank, each in its own process.
@@ -41,7 +43,7 @@ log = logging.getLogger("opd")
 
 BARRIER_TIMEOUT = datetime.timedelta(hours=6)
 """How long a rank waits at a collective. Ranks wait at a barrier while rank 0 alone runs
-evaluate or prompts, or while the slowest rank finishes its shards: the 10-30 min defaults of
+prompts or analyze, or while the slowest rank finishes its shards: the 10-30 min defaults of
 NCCL/gloo would kill healthy long stages. A crashed rank does not leave the others waiting
 this long: torchrun stops them all."""
 

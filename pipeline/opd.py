@@ -37,7 +37,7 @@ An empty `replays` dataset (a drafter that was never rejected) is a no-op: the o
 input drafter unchanged, with `"trained": false` in its summary, so a chain goes on.
 
 The loop is `pipeline.trainer.Trainer`, shared with `sft` (checkpoints with exact resume in
-`<root>/_work/opd/<version>/`, DDP under `torchrun`). Validation on held-out sequences (by
+`<root>/_work/opd/<version>/`, DDP or FSDP (`opd.fsdp`) under `torchrun`). Validation on held-out sequences (by
 seq_id): the replay loss and per-step acceptance on their replays, and the teacher-forced
 acceptance / simulated tau on their rollout features (as `sft` reports it); with an optional
 `heldout` input, also the teacher-forced acceptance on those sequences (`heldout_*`, as `sft`
@@ -812,8 +812,8 @@ def run(
             model, batch, step, anchor_batch, target=target, vocab=drafter.vocab, cfg=cfg, rank=rank
         )
 
-    def validation(step: int) -> dict[str, Any]:
-        row = _validate(drafter, data, target, cfg)
+    def validation(model: Eagle3Drafter, step: int) -> dict[str, Any]:
+        row = _validate(model, data, target, cfg)
         log.info(
             "[opd] step %d: val replay loss %s, replay acc %s, tau_sim %s, held-out tau_sim %s",
             step,
@@ -829,6 +829,7 @@ def run(
         result = trainer.train(
             loss_step, validation if has_val else None, validate_at_start=has_val
         )
+    drafter = trainer.whole_drafter()
     if rank != 0:
         return {}
     summary = base | _trained_summary(cfg, data, result)

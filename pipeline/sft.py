@@ -22,8 +22,9 @@ hidden_out and the target's last hidden state at t+1 (the state a chain step sta
 plus 0.1 x the soft-CE above (`models.losses.eagle1_loss`). Validation still unrolls
 `ttt_steps` steps, so its per-step acceptance shows how each objective holds up down the chain.
 
-The loop is `pipeline.trainer.Trainer` (shared with `opd`): written for `torchrun`, resumable
-from checkpoints in `<root>/_work/sft/<version>/`, bit-for-bit on CPU.
+The loop is `pipeline.trainer.Trainer` (shared with `opd`): written for `torchrun` (DDP, or
+FSDP with `sft.fsdp`), resumable from checkpoints in `<root>/_work/sft/<version>/`, bit-for-bit
+on CPU.
 """
 
 from __future__ import annotations
@@ -347,11 +348,11 @@ def run(
     def loss_step(model: nn.Module, batch: training.PaddedBatch, step: int) -> StepOutput:
         return train_step(model, batch, target, vocab, cfg)
 
-    def validation(step: int) -> dict[str, Any]:
+    def validation(model: Eagle3Drafter, step: int) -> dict[str, Any]:
         row: dict[str, Any] = {}
         if val_rows:
             row = validate(
-                drafter,
+                model,
                 val,
                 target,
                 ttt_steps=cfg.ttt_steps,
@@ -370,7 +371,7 @@ def run(
                 row["tau_chain"],
             )
         if held is not None:
-            row |= validate_heldout(drafter, held, target, k=cfg.tau_k, bf16=cfg.bf16)
+            row |= validate_heldout(model, held, target, k=cfg.tau_k, bf16=cfg.bf16)
             log.info("[sft] step %d: held-out tau_sim %.3f", step, row["heldout_tau_sim"])
         return row
 
@@ -380,6 +381,7 @@ def run(
         validation if val_rows or held is not None else None,
         validate_at_start=held is not None,
     )
+    drafter = trainer.whole_drafter()
     if rank != 0:
         return {}
     last_val = next(

@@ -44,8 +44,8 @@ class Stage:
     uses_target: bool = True
     """The target's identity is part of the version (it is loaded only when the stage needs it)."""
     sharded: bool = False
-    """Work is split into shards by rank (generate, features, rollout, score); otherwise rank 0
-    writes (and training stages run DDP)."""
+    """Work is split into shards by rank (generate, features, rollout, score, evaluate);
+    otherwise rank 0 writes (and training stages run DDP or FSDP)."""
     ddp: bool = False
     """Every rank trains (DistributedDataParallel) and rank 0 writes: under torchrun all ranks
     run it; a stage that is neither sharded nor ddp runs on rank 0 alone."""

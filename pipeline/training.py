@@ -7,7 +7,8 @@
 - `adamw`, `WarmupCosine`: the optimizer and its linear warm-up + cosine learning-rate schedule.
 - `Checkpointer`: weights, optimizer, scheduler, RNG and loop state as safetensors + JSON
   (never pickle), so a resumed run continues bit-for-bit where the saved one stopped.
-- DDP helpers that are no-ops in a single process (`torchrun` initialises torch.distributed).
+- DDP and FSDP helpers that are no-ops in a single process (`torchrun` initialises
+  torch.distributed).
 - `AcceptanceStats`: per-step greedy acceptance of an unrolled drafter and the simulated tau.
 """
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.drafter import DraftVocab
 from models.losses import acceptance_rate, teacher_draft_probs
@@ -79,6 +81,46 @@ def wrap_ddp(module: nn.Module) -> nn.Module:
     device = next(module.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(module, device_ids=ids)
+
+
+def shard_fsdp(module: nn.Module) -> nn.Module:
+    """Shard `module`'s trainable parameters over the ranks (FSDP2 `fully_shard`, in place).
+
+    Frozen parameters stay whole and untouched: the drafter's embedding IS the target's tensor
+    (shared, never saved), and sharding it would detach it from the target."""
+    from torch.distributed.fsdp import fully_shard
+
+    frozen = {p for p in module.parameters() if not p.requires_grad}
+    fully_shard(module, ignored_params=frozen)
+    return module
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """`t` whole: gathered from every rank when FSDP shards it (a collective: every rank must
+    call it, in the same order), else `t` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(full: Tensor, like: Tensor) -> Tensor:
+    """`full` held as `like` is: this rank's FSDP shard of it when `like` is sharded (cut
+    locally: every rank read the same whole tensor), else `full` itself."""
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(
+        full.to(like.device), like.device_mesh, like.placements, src_data_rank=None
+    )
+
+
+def full_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer's state_dict with every FSDP-sharded tensor gathered whole (a collective),
+    so a checkpoint holds the same tensors whether or not training was sharded."""
+    return {
+        "state": {
+            idx: {key: full_tensor(value) for key, value in entry.items()}
+            for idx, entry in sorted(state["state"].items())
+        },
+        "param_groups": state["param_groups"],
+    }
 
 
 def all_reduce_sum(t: Tensor) -> Tensor:
@@ -557,8 +599,7 @@ def _set_rng_state(tensors: Mapping[str, Tensor], state: Mapping[str, Any]) -> N
     random.setstate((version, tuple(mt), gauss))
 
 
-def _optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    sd = optimizer.state_dict()
+def _optimizer_parts(sd: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
     tensors: dict[str, Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for idx, entry in sd["state"].items():
@@ -570,11 +611,18 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _optimizer_state(tensors: Mapping[str, Tensor], parts: Mapping[str, Any]) -> dict[str, Any]:
+def _optimizer_state(
+    tensors: Mapping[str, Tensor], parts: Mapping[str, Any], params: Sequence[Tensor]
+) -> dict[str, Any]:
+    """The optimizer's state_dict from a checkpoint; a moment of an FSDP-sharded parameter
+    `params[i]` becomes this rank's shard of it, as the optimizer holds it."""
     state: dict[int, dict[str, Any]] = {}
     for name, t in tensors.items():
         if name.startswith("optim/"):
             _, idx, key = name.split("/", 2)
+            param = params[int(idx)]
+            if isinstance(param, DTensor) and t.shape == param.shape:  # not the scalar `step`
+                t = shard_like(t, param)
             state.setdefault(int(idx), {})[key] = t
     for idx, entry in parts["scalars"].items():
         state.setdefault(int(idx), {}).update(entry)
@@ -648,12 +696,16 @@ class Checkpointer:
         step: int,
         *,
         model: Mapping[str, Tensor],
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Mapping[str, Any],
         scheduler: WarmupCosine,
         state: Mapping[str, Any],
     ) -> Path:
-        """Write checkpoint `step`: model tensors, optimizer, scheduler, RNG and `state` (JSON)."""
-        optim_tensors, optim_parts = _optimizer_parts(optimizer)
+        """Write checkpoint `step`: model tensors, optimizer, scheduler, RNG and `state` (JSON).
+
+        `optimizer` is the optimizer or its state_dict with whole tensors (under FSDP every rank
+        gathers it, `full_optimizer_state`, and rank 0 saves: the files are the same either way)."""
+        sd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        optim_tensors, optim_parts = _optimizer_parts(sd)
         rng_tensors, rng_parts = _rng_state()
         tensors = {f"model/{k}": v.detach().contiguous() for k, v in model.items()}
         tensors |= optim_tensors | rng_tensors
@@ -713,7 +765,8 @@ class Checkpointer:
             raise OpdError(
                 f"checkpoint {path} has format {doc.get('format')}, expected {_CKPT_FORMAT}"
             )
-        optimizer.load_state_dict(_optimizer_state(tensors, doc["optimizer"]))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        optimizer.load_state_dict(_optimizer_state(tensors, doc["optimizer"], params))
         scheduler.load_state_dict(doc["scheduler"])
         if restore_rng:
             _set_rng_state(tensors, doc["rng"])

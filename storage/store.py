@@ -546,6 +546,14 @@ class DatasetWriter:
         """Copy a file produced elsewhere (weights, plots) into the dataset."""
         self._put(shard, fmt, None, lambda p: shutil.copyfile(src, p))
 
+    def discard(self, folder: str) -> None:
+        """Remove `folder` and the shards in it: scratch (e.g. each rank's share) that a stage
+        merged into its own files before committing."""
+        self._require_lock()
+        if not _SHARD_RE.fullmatch(folder) or ".." in folder.split("/"):
+            raise OpdError(f"invalid folder name {folder!r}")
+        shutil.rmtree(self.dir / folder, ignore_errors=True)
+
     def completed_shards(self) -> list[dict[str, Any]]:
         metas = []
         for m in sorted(self.dir.glob("**/.*.meta.json")):

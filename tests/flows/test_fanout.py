@@ -13,12 +13,14 @@ def test_two_dask_workers_give_the_serial_flows_datasets(tmp_path):
     fanned = opd_pipeline(profile="tiny", chain="sft-chain", root=str(tmp_path / "dask"), workers=2)
     assert fanned == serial  # the same versions, step by step
     a, b = Store(tmp_path / "serial"), Store(tmp_path / "dask")
-    for step in ("generate", "features"):  # written shard by shard by the two ranks
+    for step, files in (("generate", 3), ("features", 3), ("evaluate", 2)):
+        # written shard by shard by the two ranks (evaluate: each rank's prompts, merged)
         sums = [
             {s["path"]: s["sha256"] for s in st.open(serial[step]).manifest["shards"]}
             for st in (a, b)
         ]
-        assert sums[0] == sums[1] and len(sums[0]) >= 3
+        assert sums[0] == sums[1] and len(sums[0]) >= files
+    assert b.open(serial["evaluate"]).meta["tau"] == a.open(serial["evaluate"]).meta["tau"]
     b.open(serial["sft"]).verify_all()  # trained by a torchrun launch of 2 processes
 
 
