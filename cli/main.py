@@ -857,17 +857,8 @@ def objectives_cmd(
     on held-out prompts at T=0 and T=1, written as a report dataset with a plot.
     """
     from pipeline import objectives_experiment
-    from pipeline.runner import RunContext
 
-    cfg, loader = _loader(_config(profile, sets), profile, sets)
-    if not as_json:
-        _setup_logging()
-    ctx = RunContext(
-        store=store,
-        target_loader=loader,
-        progress=not as_json,
-        run_name="experiment-objectives",
-    )
+    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-objectives")
     result = objectives_experiment.objectives(
         cfg, ctx, seeds=seeds, prompts=store.open(prompts_ref) if prompts_ref else None
     )
