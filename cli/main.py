@@ -668,12 +668,12 @@ def _experiment_options(f):
 def _experiment_context(
     store: Store, profile: str, sets: tuple[str, ...], as_json: bool, name: str
 ) -> tuple[Any, Any]:
-    """(config, RunContext) of an experiment command; logs unless the output is JSON."""
+    """(config, RunContext) of an experiment command. It logs its progress to stderr also with
+    --json (stdout then holds only the JSON): an experiment runs for an hour or more."""
     from pipeline.runner import RunContext
 
     cfg, loader = _loader(_config(profile, sets), profile, sets)
-    if not as_json:
-        _setup_logging()
+    _setup_logging()
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json, run_name=name)
     return cfg, ctx
 

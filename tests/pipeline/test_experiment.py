@@ -137,7 +137,7 @@ def test_opd_vs_sft_cli_prints_the_cached_result(opd_vs_sft):
     args += ["--set", "rounds=1", "--seeds", "2", "--budget", str(result["budget_row_steps"])]
     r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts.ref), "--json"])
     assert r.exit_code == 0, r.output
-    printed = json.loads(r.output)
+    printed = json.loads(r.stdout)
     for key in ("tau_opd", "tau_opd_t1", "tau_sft_continued", "tau_sft_continued_t1"):
         assert printed[key] == result[key]
     assert printed["report"] == result["report"]  # everything was cached, the report too
@@ -154,7 +154,7 @@ def test_opd_vs_sft_cli_prints_the_cached_result(opd_vs_sft):
     args += ["--first-seed", "1"]
     r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts.ref), "--json"])
     assert r.exit_code == 0, r.output
-    alone = json.loads(r.output)
+    alone = json.loads(r.stdout)
     assert alone["seeds"] == [1]
     for arm in ("opd", "sft_continued"):
         assert alone["runs"][0][arm]["drafter"] == result["runs"][1][arm]["drafter"]
@@ -207,8 +207,10 @@ def test_ablation_variants_vary_one_factor_around_the_defaults():
     by_factor: dict[str, list] = {}
     for v in variants:
         by_factor.setdefault(v.factor, []).append(v)
-    assert [v.level for v in by_factor["loss"]] == list(typing.get_args(ReplayLoss))
-    assert [v.cfg.opd.loss for v in by_factor["loss"]] == list(typing.get_args(ReplayLoss))
+    # every loss family but reverse_kl_k3, whose training is reverse_kl_k1's
+    losses = [loss for loss in typing.get_args(ReplayLoss) if loss != "reverse_kl_k3"]
+    assert [v.level for v in by_factor["loss"]] == losses
+    assert [v.cfg.opd.loss for v in by_factor["loss"]] == losses
     greedy, sampled = by_factor["replays"]
     assert (greedy.cfg.rollout.temperature, greedy.cfg.score.temperature) == (0.0, 0.0)
     assert (sampled.cfg.rollout.temperature, sampled.cfg.score.temperature) == (1.0, 1.0)
@@ -268,7 +270,7 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     args += ["--budget", str(result["budget_row_steps"]), "--prompts", str(prompts.ref), "--json"]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
-    printed = json.loads(r.output)
+    printed = json.loads(r.stdout)
     assert printed["rows"] == json.loads(json.dumps(result["rows"]))
     bad = CliRunner().invoke(cli, [*args[:-1], "--factors", "lr"])
     assert bad.exit_code != 0 and "unknown ablation factor" in bad.output

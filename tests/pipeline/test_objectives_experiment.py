@@ -101,7 +101,7 @@ def test_objectives_trains_both_at_matched_steps_and_writes_its_report(tiny):
         ],
     )
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output) == result
+    assert json.loads(r.stdout) == result
 
 
 @pytest.mark.parametrize(
