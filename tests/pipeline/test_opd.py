@@ -460,7 +460,7 @@ def test_replay_outcomes_mask_unverified_and_unreached_positions():
 
 
 _DDP_WORKER = r"""
-import sys, torch.distributed as dist
+import os, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from pipeline import opd
 from pipeline.profiles import load_config
@@ -476,7 +476,9 @@ cfg = opd.Config(steps=3, batch_size=2, val_share=0.2, val_every=2, bf16=False, 
 inputs = {role: store.open(ref) for role, ref in refs.items()}
 res = run_stage(opd.STAGE, cfg, inputs, ctx, rank=rank, world_size=2)
 print("COMMITTED" if res.dataset is not None else "WAITED", flush=True)
+dist.barrier()  # see test_training's _DDP_WORKER
 dist.destroy_process_group()
+os._exit(0)
 """
 
 

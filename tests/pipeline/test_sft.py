@@ -318,7 +318,7 @@ def test_sft_loss_scores_step_k_against_the_teacher_at_t_plus_k_plus_1(tiny_feat
 
 
 _DDP_WORKER = r"""
-import sys, torch.distributed as dist
+import os, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from pipeline import sft
 from pipeline.profiles import load_config
@@ -332,7 +332,9 @@ ctx = RunContext(store=store, target_loader=TargetLoader(load_config("tiny").tar
 cfg = sft.Config(steps=4, batch_size=4, val_share=0.2, val_every=2, bf16=False, ttt_steps=3, tau_k=3)
 res = run_stage(sft.STAGE, cfg, {"features": store.open(features_ref)}, ctx, rank=rank, world_size=2)
 print("COMMITTED" if res.dataset is not None else "WAITED", flush=True)
+dist.barrier()  # see test_training's _DDP_WORKER
 dist.destroy_process_group()
+os._exit(0)
 """
 
 
