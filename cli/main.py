@@ -669,7 +669,7 @@ def _experiment_context(
     store: Store, profile: str, sets: tuple[str, ...], as_json: bool, name: str
 ) -> tuple[Any, Any]:
     """(config, RunContext) of an experiment command. It logs its progress to stderr also with
-    --json (stdout then holds only the JSON): an experiment runs for an hour or more."""
+    --json (stdout then holds only the JSON): an experiment runs for minutes to hours."""
     from pipeline.runner import RunContext
 
     cfg, loader = _loader(_config(profile, sets), profile, sets)
@@ -779,7 +779,7 @@ def opd_vs_sft_cmd(
     default=0.25,
     show_default=True,
     help="Budget per variant as a share of the SFT warm-up's row-steps (small, so the default "
-    "grid, 4 loss families x 2 seeds, runs in about 40 min on the default profile).",
+    "grid, 4 loss families x 2 seeds, takes an estimated 40 min on the default profile).",
 )
 @click.pass_obj
 def ablate_cmd(

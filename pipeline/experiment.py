@@ -931,7 +931,7 @@ def _replays(cfg: PipelineConfig, temperature: float, samples: int) -> PipelineC
 ABLATED_LOSSES = tuple(loss for loss in typing.get_args(ReplayLoss) if loss != "reverse_kl_k3")
 """The loss families the `loss` factor trains. reverse_kl_k3 trains exactly as reverse_kl_k1
 (both take the score-function gradient of the sampled reverse KL; only the logged value
-differs): measured, the two gave identical drafters and tau, so it would be a duplicate row."""
+differs): on the default profile the two gave byte-identical drafters, so it would repeat a row."""
 
 FACTORS: dict[str, Callable[[PipelineConfig], list[tuple[str, PipelineConfig]]]] = {
     "loss": lambda cfg: [(loss, _update(cfg, opd={"loss": loss})) for loss in ABLATED_LOSSES],
@@ -949,7 +949,7 @@ FACTORS: dict[str, Callable[[PipelineConfig], list[tuple[str, PipelineConfig]]]]
 """Factor -> its levels as (label, config) around a baseline config."""
 DEFAULT_FACTORS = ("loss",)
 """What `opd experiment ablate` varies by default: the loss family, the question the other
-factors are secondary to; 4 families x 2 seeds, about 40 min on the default profile (README)."""
+factors are secondary to; 4 families x 2 seeds, an estimated 40 min on the default profile (README)."""
 
 
 def ablation_variants(cfg: PipelineConfig, factors: Sequence[str]) -> list[Variant]:
