@@ -4,7 +4,7 @@ Reads (never writes) a data root, `--root` or OPD_HOME: the target of `--profile
 `default`), the drafter `--drafter` (default `opd@latest`) and the held-out split of
 `prompts@latest`. For each temperature (0, 1) and batch size (1, `--batch`) it runs, side by
 side on the same prompts, plain KV-cached decoding (`target_generate`), chain drafting with
-K = drafting.k (`speculative_generate`) and two draft trees (`tree_generate`), both of depth K
+K = drafting.k and draft trees of depth K, all through `speculative_generate`
 (K drafter forwards and one target forward per step, as the chain):
 
 - `tree`: at equal token budget, budget = K nodes verified per step, as the chain verifies K
@@ -42,8 +42,8 @@ from typing import Any
 import polars as pl
 import torch
 
-from models.speculative import SpecConfig, speculative_generate, target_generate
-from models.tree_speculative import TreeConfig, tree_generate
+from models.decoding import SpecConfig, speculative_generate, target_generate
+from models.drafter import ChainShape, TreeShape
 from pipeline.config import DraftTree
 from pipeline.drafters import load_drafter_dataset
 from pipeline.profiles import load_config
@@ -87,19 +87,11 @@ def decode_all(
             seqs += res.sequences
             continue
         if kind == "chain":
-            cfg = SpecConfig(k=k, temperature=temperature, max_new_tokens=max_new, seed=i)
-            res = speculative_generate(target, drafter, chunk, cfg)
+            shape = ChainShape(k)
         else:
-            cfg = TreeConfig(
-                depth=k,
-                top_k=tree.top_k,
-                budget=tree.budget,
-                min_confidence=tree.min_confidence,
-                temperature=temperature,
-                max_new_tokens=max_new,
-                seed=i,
-            )
-            res = tree_generate(target, drafter, chunk, cfg)
+            shape = TreeShape(k, tree.top_k, tree.budget, tree.min_confidence)
+        cfg = SpecConfig(shape, temperature=temperature, max_new_tokens=max_new, seed=i)
+        res = speculative_generate(target, drafter, chunk, cfg)
         seqs += res.sequences
         steps += len(res.steps["accepted"])
         emitted += sum(res.steps["emitted"])

@@ -27,7 +27,7 @@ import pyarrow as pa
 import torch
 from safetensors.torch import save as save_safetensors
 
-from models.drafter import DraftVocab
+from models.vocab import DraftVocab
 from pipeline import features, sft, training
 from pipeline.runner import RunContext, run_stage
 from pipeline.targets import RandomTargetConfig, TargetConfig, TargetLoader

@@ -24,35 +24,29 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.bench_tree_scoring import embedded_or_random_target
-from models.drafter import (
-    DrafterConfig,
-    DraftVocab,
-    Eagle3Drafter,
-    load_drafter,
-    shift_left,
-    ttt_unroll,
-)
-from models.speculative import SpecConfig, speculative_generate, target_generate
+from models.decoding import SpecConfig, speculative_generate, target_generate
+from models.drafter import ChainShape
+from models.drafters import drafter_class, load_drafter
+from models.losses import teacher_draft_probs
 from models.target import Target
+from models.vocab import DraftVocab
 
 
 def fit_drafter(target: Target, sequences: torch.Tensor, draft_vocab: int, steps: int):
+    """An EAGLE-3 drafter fitted with its warm-up loss (2 unrolled steps) to `sequences`."""
     counts = torch.bincount(sequences.reshape(-1), minlength=target.vocab_size).float()
     vocab = DraftVocab.from_counts(counts, draft_vocab)
-    config = DrafterConfig.from_target(target.config, draft_vocab, target.aux_layer_ids)
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(config, target.embed_weight, vocab)
-    aux = target.forward(sequences).aux_hidden
+    drafter = drafter_class("eagle3").new(target, vocab, {})
+    with torch.no_grad():
+        out = target.forward(sequences)
+        teacher = teacher_draft_probs(out.logits, vocab, 1.0)
     opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     for _ in range(steps):
-        loss = 0.0
-        for k, step in enumerate(ttt_unroll(drafter, aux, sequences, steps=2)):
-            label = vocab.to_draft(shift_left(sequences, k + 2))
-            keep = step.valid & (label >= 0)
-            loss = loss + 0.8**k * F.cross_entropy(step.logits[keep], label[keep])
+        unrolled = drafter.unroll(out.aux_hidden, sequences, None, 2)
+        loss = drafter.sft_loss(unrolled, teacher, out.last_hidden, decay=0.8, objective=None)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -76,7 +70,7 @@ def run_setting(target, drafter, prompts, calls, k, temperature, batch, max_new,
     forwards = tokens = 0
     steps_accepted: list[int] = []
     for r in range(repeats):
-        cfg = SpecConfig(k, temperature, max_new, seed=r, eos_token_ids=())
+        cfg = SpecConfig(ChainShape(k), temperature, max_new, seed=r, eos_token_ids=())
         forwards, tokens, steps_accepted = 0, 0, []
         start = time.perf_counter()
         inside = 0.0

@@ -29,15 +29,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from models.drafter import (
-    DrafterConfig,
-    DraftVocab,
-    Eagle3Drafter,
-    build_drafter,
-    check_aux_layer_ids,
-    drafter_tensors,
-    rope_parameters_of,
-)
+from models.eagle3.drafter import Eagle3Drafter
+from models.eagle3.model import Eagle3Config
+from models.layers import rope_parameters_of
+from models.target import check_aux_layer_ids
+from models.vocab import DraftVocab
 
 NATIVE_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
@@ -140,7 +136,7 @@ def check_export_invariants(
         )
 
 
-def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
+def _layer_config(cfg: Eagle3Config) -> dict[str, Any]:
     """The Llama decoder-layer fields vLLM reads, rope in both the transformers-4 and -5 spellings."""
     rope = dict(cfg.rope_parameters)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -165,9 +161,10 @@ def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
     }
 
 
-def _provenance(cfg: DrafterConfig, target_identity: Mapping[str, Any] | None) -> dict[str, Any]:
+def _provenance(cfg: Eagle3Config, target_identity: Mapping[str, Any] | None) -> dict[str, Any]:
     return {
         "format_version": 1,
+        "drafter_kind": Eagle3Drafter.kind,
         "target_num_hidden_layers": cfg.target_num_layers,
         "target": dict(target_identity) if target_identity else None,
     }
@@ -191,7 +188,7 @@ def _write(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str
 
 
 def _export_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None) -> dict[str, Tensor]:
-    tensors = drafter_tensors(drafter)
+    tensors = drafter.tensors()
     return {
         name: t.to(dtype) if dtype is not None and t.is_floating_point() else t
         for name, t in tensors.items()
@@ -360,7 +357,7 @@ def load_export(export_dir: str | os.PathLike, embed_weight: Tensor | None = Non
     except ValueError as err:
         raise ExportError(f"{source}: {err}") from None
     try:
-        drafter_config = DrafterConfig(
+        drafter_config = Eagle3Config(
             hidden_size=layer["hidden_size"],
             target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
             intermediate_size=layer["intermediate_size"],
@@ -407,6 +404,6 @@ def load_export(export_dir: str | os.PathLike, embed_weight: Tensor | None = Non
             f"{source}: a native EAGLE-3 export has no embedding; pass the target's embedding"
         )
     try:
-        return build_drafter(drafter_config, embed_weight, tensors, source)
+        return Eagle3Drafter.from_tensors(drafter_config.to_dict(), embed_weight, tensors, source)
     except ValueError as err:
         raise ExportError(str(err)) from None

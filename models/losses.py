@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.drafter import DraftVocab
+from models.vocab import DraftVocab
 
 
 def _check_mask(mask: Tensor, shape: torch.Size, what: str) -> None:

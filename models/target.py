@@ -28,7 +28,41 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from models.drafter import check_aux_layer_ids, default_aux_layer_ids
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3 / vLLM default feature layers, HF `hidden_states[k]` convention (state entering layer k)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def check_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> None:
+    """Raise unless there are 3 strictly increasing ids in [1, num_layers).
+
+    vLLM collects aux states in ascending layer order, once per layer, and id 0 (the embedding
+    output) has no residual to add there: out-of-order or repeated ids load but accept nothing.
+    """
+    if aux_layer_ids is None or len(aux_layer_ids) != 3:
+        raise ValueError(
+            f"EAGLE-3 needs exactly 3 aux layer ids, got {aux_layer_ids!r}; the default for a "
+            f"{num_layers}-layer target is {list(default_aux_layer_ids(num_layers))}"
+        )
+    check_aux_layer_order(aux_layer_ids)
+    if int(aux_layer_ids[-1]) >= num_layers:
+        raise ValueError(
+            f"aux layer ids {list(aux_layer_ids)} out of range for a {num_layers}-layer target: ids use the "
+            f"HF hidden_states[k] convention (state entering layer k), so each must be in [1, {num_layers})"
+        )
+
+
+def check_aux_layer_order(aux_layer_ids: Sequence[int]) -> None:
+    """Raise unless the ids are strictly increasing and >= 1 (the part checkable without the target)."""
+    ids = [int(i) for i in aux_layer_ids]
+    if ids[0] < 1 or any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+        raise ValueError(
+            f"aux layer ids {ids} must be strictly increasing and >= 1 (vLLM collects the states "
+            "in ascending layer order, once per layer, and id 0 is the embedding output); "
+            "e.g. [1, 3, 5] for a 6-layer target"
+        )
+
 
 # Architectures whose logits are exactly `lm_head(norm(h))` with a plain linear head, so that
 # `logits_from_hidden` reproduces the model's own logits (no soft-capping or logit scaling).

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from models.drafter import Eagle3Drafter
+from models.drafter import Drafter
 from storage import Dataset, OpdError
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -53,12 +53,11 @@ def check_same_vocab(reference: Dataset, others: list[Dataset]) -> None:
             )
 
 
-def check_drafter_vocab(data: Dataset, drafter: Eagle3Drafter, drafter_ref: str) -> None:
+def check_drafter_vocab(data: Dataset, drafter: Drafter, drafter_ref: str) -> None:
     """Refuse a drafter whose map differs from the one `data` was made (or drafted) with."""
-    theirs = vocab_of(data)
+    theirs, ours = vocab_of(data), drafter.vocab
     if not (
-        torch.equal(theirs["d2t"], drafter.d2t.cpu())
-        and torch.equal(theirs["t2d"], drafter.t2d.cpu())
+        torch.equal(theirs["d2t"], ours.d2t.cpu()) and torch.equal(theirs["t2d"], ours.t2d.cpu())
     ):
         made_by = data.meta.get("drafter")
         raise OpdError(

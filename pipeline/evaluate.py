@@ -45,13 +45,18 @@ import torch
 from pydantic import Field
 
 from models import vllm_engine
-from models.drafter import Eagle3Drafter
-from models.speculative import SpecConfig, speculative_generate, target_generate
-from models.tree_speculative import TreeConfig, check_tree_fits, depth_alpha, tree_generate
+from models.decoding import (
+    SpecConfig,
+    check_tree_fits,
+    depth_alpha,
+    speculative_generate,
+    target_generate,
+)
+from models.drafter import ChainShape, TreeShape
 from pipeline.config import DraftTree, StrictConfig, optional_field, runtime_field
 from pipeline.drafters import load_drafter_dataset
 from pipeline.runner import RunContext
-from pipeline.stage import DRAFTER_KINDS, Stage
+from pipeline.stage import DRAFTER_DATASETS, Stage
 from pipeline.targets import resolve_dtype
 from storage import Dataset, DatasetWriter, OpdError
 
@@ -220,19 +225,9 @@ def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
 
 def decoder(k: int, tree: DraftTree | None, temperature: float, max_new_tokens: int, seed: int):
     """decode(target, drafter, prompts) -> SpecResult: K-chains, or draft trees when `tree` is set."""
-    if tree is None:
-        spec = SpecConfig(k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-        return lambda target, drafter, prompts: speculative_generate(target, drafter, prompts, spec)
-    cfg = TreeConfig(
-        depth=tree.depth,
-        top_k=tree.top_k,
-        budget=tree.budget,
-        min_confidence=tree.min_confidence,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-    )
-    return lambda target, drafter, prompts: tree_generate(target, drafter, prompts, cfg)
+    shape = ChainShape(k) if tree is None else TreeShape(**tree.model_dump())
+    spec = SpecConfig(shape, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    return lambda target, drafter, prompts: speculative_generate(target, drafter, prompts, spec)
 
 
 def check_tree_setting(target, tree: DraftTree | None, prompts, max_new_tokens: int) -> None:
@@ -338,7 +333,7 @@ def _decode(
     parts = {"trained": evaluate(target, drafter, prompts, cfg, progress, first=first)}
     if cfg.untrained_contrast:
         torch.manual_seed(cfg.seed)
-        untrained = Eagle3Drafter(drafter.config, target.embed_weight, drafter.vocab).eval()
+        untrained = drafter.untrained().eval()
         quick = cfg.model_copy(update={"measure_baseline": False})
         parts["untrained"] = evaluate(target, untrained, prompts, quick, first=first)
     return parts
@@ -407,7 +402,7 @@ STAGE = Stage(
     config=Config,
     run=run,
     doc="speculative decoding on held-out prompts: tau, per-position acceptance, speed-up",
-    inputs={"prompts": ("prompts",), "drafter": DRAFTER_KINDS},
+    inputs={"prompts": ("prompts",), "drafter": DRAFTER_DATASETS},
     default_inputs={"drafter": "sft@latest"},
     drafting={"k": "k", "tree": "tree"},
     sharded=True,

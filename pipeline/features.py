@@ -22,7 +22,7 @@ from pydantic import Field
 from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
-from models.drafter import DraftVocab
+from models.vocab import DraftVocab
 from pipeline.checks import VOCAB_FILE, check_same_target
 from pipeline.config import StrictConfig
 from pipeline.runner import RunContext

@@ -9,7 +9,7 @@ drafter (the map is frozen since stage 2; replays of another map are refused), `
 and `summary.json`, so `load_drafter_dataset`, `evaluate` and the next round's rollout take it.
 
 One training item is one (rollout sequence, replay sample): every anchor e of that sequence is a
-row of ONE training-time-test unroll over the sequence (`ttt_unroll(..., step_tokens=...)`):
+row of ONE training-time-test unroll over the sequence (`Drafter.unroll(..., replays=...)`):
   step 0, row e-2: reads the rollout's target feature f_{e-2} and the committed token y_{e-1}
     (the prefix y<e) and predicts y-hat_1 at position e;
   step k >= 1, row e-2: reads ONLY its own hidden state of step k-1 and the replayed token
@@ -59,20 +59,13 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from models.drafter import Eagle3Drafter, shift_left, ttt_unroll
-from models.losses import (
-    ReplayLoss,
-    acceptance_rate,
-    ce_rollout_loss,
-    replay_loss,
-    sft_loss,
-    teacher_draft_probs,
-)
+from models.drafter import Drafter
+from models.losses import ReplayLoss, acceptance_rate, replay_loss, teacher_draft_probs
 from pipeline import sft, training
 from pipeline.checks import check_same_target, check_same_vocab
 from pipeline.drafters import load_drafter_dataset, write_drafter_dataset, written_summary
 from pipeline.runner import RunContext
-from pipeline.stage import DRAFTER_KINDS, Stage
+from pipeline.stage import DRAFTER_DATASETS, Stage
 from pipeline.trainer import METRICS_SCHEMA as TRAIN_METRICS_SCHEMA
 from pipeline.trainer import StepOutput, TrainConfig, Trainer, TrainResult, autocast
 from storage import Dataset, DatasetWriter, OpdError, read_tensor_column
@@ -178,24 +171,22 @@ class ReplayBatch:
     loss_mask: Tensor  # [B, T] bool
     last_hidden: Tensor  # [B, T, H] bf16
     lengths: Tensor  # [B] rows each item unrolls
-    step_tokens: list[Tensor | None]  # [K] of [B, T]: ground truth, replayed tokens at anchor rows
     item: Tensor  # [N] batch row of each replay
-    row: Tensor  # [N] unroll row of each replay (anchor - 2)
+    anchor: Tensor  # [N] each replay's anchor e (its drafts follow the prefix y<e)
     tokens: Tensor  # [N, K] int64 replayed target ids
     accept_prob: Tensor  # [N, K] float32
     replay_length: Tensor  # [N] verified tokens of each replay (K, or up to a drafted EOS)
     teacher_hidden: Tensor  # [N, K, H] bf16
-    anchor_rows: Tensor  # [B, T] bool
     share: float = 1.0  # this rank's share of the step's tokens (training.PaddedBatch.share)
 
     @property
     def row_steps(self) -> int:
-        return int(self.lengths.sum()) * len(self.step_tokens)
+        return int(self.lengths.sum()) * self.tokens.shape[1]
 
     def _map(self, fn: Callable[[Tensor], Tensor]) -> ReplayBatch:
-        moved = {k: (fn(v) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
-        moved["step_tokens"] = [None if t is None else fn(t) for t in self.step_tokens]
-        return ReplayBatch(**moved)
+        return ReplayBatch(
+            **{k: (fn(v) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
+        )
 
     def to(self, device: torch.device) -> ReplayBatch:
         return self._map(lambda t: t.to(device, non_blocking=True))
@@ -296,61 +287,23 @@ class ReplayIndex:
         ids = cols["input_ids"]
         item = torch.cat([torch.full((len(r),), b) for b, (_, r, _) in enumerate(items)])
         replay = torch.from_numpy(np.concatenate([r for _, r, _ in items]))
-        row = torch.from_numpy(np.concatenate([e - 2 for _, _, e in items]))
-        tokens = self.tokens[replay]  # [N, K]
-        anchor_rows = torch.zeros(ids.shape, dtype=torch.bool)
-        anchor_rows[item, row] = True
-        step_tokens: list[Tensor | None] = [None]
-        for k in range(1, self.depth):
-            given = shift_left(ids, k + 1)  # [B, T] ground truth x_{t+k+1}
-            given[item, row] = tokens[:, k - 1]
-            step_tokens.append(given)
+        anchor = torch.from_numpy(np.concatenate([e for _, _, e in items]))
         return ReplayBatch(
             aux_hidden=cols["aux_hidden"],
             input_ids=ids,
             loss_mask=cols["loss_mask"].bool(),
             last_hidden=cols["last_hidden"],
             lengths=lengths,
-            step_tokens=step_tokens,
             item=item,
-            row=row,
-            tokens=tokens,
+            anchor=anchor,
+            tokens=self.tokens[replay],  # [N, K]
             accept_prob=self.accept_prob[replay],
             replay_length=self.replay_length[replay],
             teacher_hidden=self.teacher_hidden[replay],
-            anchor_rows=anchor_rows,
         )
 
 
 # -- the unroll and the losses ---------------------------------------------------------------
-
-
-class Unrolls(nn.Module):
-    """The step's unrolls (replays, and the CE anchor's batch) as one forward, so DDP sees one
-    forward per backward. Each unroll is (aux_hidden, input_ids, loss_mask, step_tokens, steps)."""
-
-    def __init__(self, drafter: Eagle3Drafter):
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, *unrolls: tuple) -> list[tuple[list[Tensor], list[Tensor]]]:
-        results = []
-        for aux_hidden, input_ids, loss_mask, step_tokens, steps in unrolls:
-            out = ttt_unroll(
-                self.drafter,
-                aux_hidden,
-                input_ids,
-                steps=steps,
-                step_tokens=step_tokens,
-                loss_mask=loss_mask,
-            )
-            results.append(([s.logits for s in out], [s.valid for s in out]))
-        return results
-
-
-def replay_logits(step_logits: list[Tensor], item: Tensor, row: Tensor) -> Tensor:
-    """The drafter's logits along each replay: step k at (item, anchor row) -> [N, K, Vd]."""
-    return torch.stack([logits[item, row] for logits in step_logits], dim=1)
 
 
 def _replay_loss(
@@ -443,7 +396,7 @@ def _cycle(loader: training.FeatureLoader, start: int) -> Iterator[training.Padd
 
 @torch.no_grad()
 def validate_replays(
-    drafter: Eagle3Drafter, loader: training.FeatureLoader, target: Any, cfg: Config
+    drafter: Drafter, loader: training.FeatureLoader, target: Any, cfg: Config
 ) -> dict[str, Any]:
     """Held-out replay loss and, per replay step, greedy hit rate and expected alpha at T=1."""
     vocab = drafter.vocab
@@ -457,10 +410,10 @@ def validate_replays(
         for batch in batches:
             b = batch.to(device)
             with autocast(device, cfg.bf16):
-                out = ttt_unroll(
-                    drafter, b.aux_hidden, b.input_ids, steps=K, step_tokens=b.step_tokens
+                out = drafter.unroll(
+                    b.aux_hidden, b.input_ids, None, K, replays=(b.item, b.anchor, b.tokens)
                 )
-            logits = replay_logits([s.logits for s in out], b.item, b.row)  # [N, K, Vd]
+            logits = drafter.replay_logits(out, b.item, b.anchor)  # [N, K, Vd]
             target_logits = target.logits_from_hidden(b.teacher_hidden)  # [N, K, V]
             accepted, mask = replay_outcomes(
                 b.accept_prob, b.replay_length, cfg.positions, generator
@@ -492,7 +445,7 @@ def validate_replays(
     }
 
 
-def _validate(drafter: Eagle3Drafter, data: _Data, target: Any, cfg: Config) -> dict[str, Any]:
+def _validate(drafter: Drafter, data: _Data, target: Any, cfg: Config) -> dict[str, Any]:
     replay_val, ttt_val = data.replay_val, data.ttt_val
     row: dict[str, Any] = {}
     if ttt_val is not None:
@@ -660,6 +613,7 @@ def _total_steps(cfg: Config, data: _Data, world_size: int) -> int:
 
 def replay_step(
     model: nn.Module,
+    drafter: Drafter,
     batch: ReplayBatch,
     step: int,
     anchor_batch: training.PaddedBatch | None,
@@ -669,23 +623,23 @@ def replay_step(
     cfg: Config,
     rank: int,
 ) -> StepOutput:
-    """The Draft-OPD loss of one batch of replays (+ the soft-CE anchor when on)."""
+    """The Draft-OPD loss of one batch of replays (+ the soft-CE anchor when on). `model` is
+    the drafter's training module (DDP-wrapped or FSDP-sharded)."""
     device = target.device
-    K = len(batch.step_tokens)
+    K = batch.tokens.shape[1]
     b = batch.to(device)
     # Seeded by step and rank, so a resumed run draws the same acceptances.
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 7919 + rank)
     accepted, mask = replay_outcomes(b.accept_prob, b.replay_length, cfg.positions, generator)
     with torch.no_grad():
         target_logits = target.logits_from_hidden(b.teacher_hidden)  # [N, K, V]
-    unrolls = [(b.aux_hidden, b.input_ids, b.loss_mask, b.step_tokens, K)]
+    unrolls = [(b.aux_hidden, b.input_ids, b.loss_mask, (b.item, b.anchor, b.tokens), K)]
     if anchor_batch is not None:
         fb = sft.to_device(anchor_batch, device)
         unrolls.append((fb["aux_hidden"], fb["input_ids"], fb["loss_mask"], None, cfg.ce_ttt_steps))
     with autocast(device, cfg.bf16):
         outs = model(*unrolls)
-    step_logits, step_valid = outs[0]
-    logits = replay_logits(step_logits, b.item, b.row)  # [N, K, Vd]
+    logits = drafter.replay_logits(outs[0], b.item, b.anchor)  # [N, K, Vd]
     loss = _replay_loss(cfg, logits, target_logits, b.tokens, accepted, mask, vocab)
     tokens, row_steps = int(batch.lengths.sum()), batch.row_steps
     if cfg.ce_lambda > 0 and cfg.ce_source == "rollouts":
@@ -693,15 +647,18 @@ def replay_step(
             teacher = teacher_draft_probs(
                 target.logits_from_hidden(b.last_hidden), vocab, cfg.temperature
             )
-        loss = loss + cfg.ce_lambda * ce_rollout_loss(
-            step_logits, step_valid, teacher, b.anchor_rows, cfg.gamma
+        loss = loss + cfg.ce_lambda * drafter.rollout_ce_loss(
+            outs[0], teacher, b.item, b.anchor, cfg.gamma
         )
     if anchor_batch is not None:
         with torch.no_grad():
             teacher = teacher_draft_probs(
                 target.logits_from_hidden(fb["last_hidden"]), vocab, cfg.temperature
             )
-        loss = loss + cfg.ce_lambda * sft_loss(*outs[1], teacher, cfg.gamma)
+        anchor_loss = drafter.sft_loss(
+            outs[1], teacher, fb["last_hidden"], decay=cfg.gamma, objective=None
+        )
+        loss = loss + cfg.ce_lambda * anchor_loss
         tokens += anchor_batch.num_tokens
         row_steps += anchor_batch.num_tokens * cfg.ce_ttt_steps
     return StepOutput(loss, tokens, row_steps)
@@ -720,7 +677,7 @@ def _pass_through(
     )
     summary = base | {"trained": False, "reason": f"{replays.ref} has no replays", "steps": 0}
     if rank == 0:
-        write_drafter_dataset(output, source, source, [], METRICS_SCHEMA, summary)
+        summary = write_drafter_dataset(output, source, source, [], METRICS_SCHEMA, summary)
     return summary
 
 
@@ -780,7 +737,7 @@ def run(
         cfg,
         stage="opd",
         drafter=drafter,
-        forward=Unrolls(drafter),
+        forward=drafter.training_module(),
         loader=data.train,
         total_steps=_total_steps(cfg, data, world_size),
         work_dir=output.store.root / "_work" / "opd" / output.version,
@@ -809,10 +766,18 @@ def run(
     def loss_step(model: nn.Module, batch: ReplayBatch, step: int) -> StepOutput:
         anchor_batch = next(anchor_stream) if anchor_stream is not None else None
         return replay_step(
-            model, batch, step, anchor_batch, target=target, vocab=drafter.vocab, cfg=cfg, rank=rank
+            model,
+            drafter,
+            batch,
+            step,
+            anchor_batch,
+            target=target,
+            vocab=drafter.vocab,
+            cfg=cfg,
+            rank=rank,
         )
 
-    def validation(model: Eagle3Drafter, step: int) -> dict[str, Any]:
+    def validation(model: Drafter, step: int) -> dict[str, Any]:
         row = _validate(model, data, target, cfg)
         log.info(
             "[opd] step %d: val replay loss %s, replay acc %s, tau_sim %s, held-out tau_sim %s",
@@ -833,7 +798,9 @@ def run(
     if rank != 0:
         return {}
     summary = base | _trained_summary(cfg, data, result)
-    write_drafter_dataset(output, drafter, source, result.metrics, METRICS_SCHEMA, summary)
+    summary = write_drafter_dataset(
+        output, drafter, source, result.metrics, METRICS_SCHEMA, summary
+    )
     trainer.finish()
     if world_size > 1:
         output.wait_for_ranks()
@@ -847,7 +814,7 @@ STAGE = Stage(
     config=Config,
     run=run,
     doc="Draft-OPD: train the drafter on its own replayed proposals, scored by the target",
-    inputs={"replays": ("replays",), "rollouts": ("rollouts",), "drafter": DRAFTER_KINDS},
+    inputs={"replays": ("replays",), "rollouts": ("rollouts",), "drafter": DRAFTER_DATASETS},
     optional_inputs={
         "features": ("features",),  # the soft-CE anchor's data (ce_source)
         "heldout": ("rollouts", "features"),  # measured at every validation, never trained on

@@ -18,10 +18,8 @@ at T=0) while the log records where the drafter failed. Produces `rollouts`, per
 plus `draft_vocab.safetensors` copied unchanged from the drafter. Positions count from the first
 prompt token: a step's `anchor` is the position of its first draft, a draft's `position` is
 anchor + offset - 1. `confidence` is the drafter's max draft probability for that draft,
-max_v q_v with q = softmax(logits / T) (T = 1 when decoding greedily, where q is one-hot).
-The decoder does not expose it, so it is recomputed here by replaying each step's drafts
-through the drafter on the stored (bf16) features: it can differ from the decode-time value in
-the last digits. Acceptance by offset over the whole log is one polars query:
+max_v q_v with q = softmax(logits / T) (T = 1 when decoding greedily, where q is one-hot), as
+the decoder computed it when drafting. Acceptance by offset over the whole log is one polars query:
 
     pl.scan_parquet(ds.path / "rejections-*.parquet")
       .filter(pl.col("outcome") != "not_reached")
@@ -36,8 +34,7 @@ before the one it accepted, or all of them where the path ended), the untried no
 not_reached; `target_token` of a rejected node is what the target emitted at its position.
 A position with a rejected node is one where the drafter's most confident token was wrong,
 which is exactly the chain's error position, so `score` reads tree logs unchanged (see
-README: draft trees). `confidence` comes from the decoder itself (max_v q_v at the node's
-parent). steps-*.parquet gains `depth` (the row's depth budget), and alpha is per depth.
+README: draft trees). `confidence` is max_v q_v at the node's parent. steps-*.parquet gains `depth` (the row's depth budget), and alpha is per depth.
 
 `run` (the run name the runner was given, `--run-name`) is not part of the version: a dataset
 reused by another run keeps the name of the run that computed it.
@@ -50,7 +47,6 @@ on (seed, shard, batch), so any worker layout and any resume produce the same by
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import Any, Literal
 
@@ -58,13 +54,11 @@ import polars as pl
 import pyarrow as pa
 import torch
 from pydantic import Field, model_validator
-from torch import Tensor
 from tqdm import tqdm
 
-from models.drafter import Eagle3Drafter
-from models.speculative import replay_drafts
+from models.decoding import depth_alpha
+from models.drafter import Drafter
 from models.target import Target
-from models.tree_speculative import depth_alpha
 from pipeline.checks import VOCAB_FILE
 from pipeline.config import DraftTree, StrictConfig, optional_field
 from pipeline.drafters import load_drafter_dataset
@@ -72,7 +66,7 @@ from pipeline.evaluate import check_tree_setting, decoder
 from pipeline.features import feature_schema, forward_batch
 from pipeline.generate import select_prompts
 from pipeline.runner import RunContext
-from pipeline.stage import DRAFTER_KINDS, Stage
+from pipeline.stage import DRAFTER_DATASETS, Stage
 from storage import Dataset, DatasetWriter, tensor_array
 
 log = logging.getLogger("opd")
@@ -189,30 +183,8 @@ def _merge_columns(out: dict[str, list], cols: dict[str, list], rows: list[int])
         out.setdefault(name, []).extend(values)
 
 
-def _confidence(
-    drafter: Eagle3Drafter, aux: Tensor, ids: list[int], rec: dict[str, list], temperature: float
-) -> list[float]:
-    """Max draft probability of each logged draft of one sequence (`rec`: its records, in order)."""
-    blocks: dict[int, tuple[int, list[int]]] = {}
-    for step, anchor, token in zip(rec["step"], rec["anchor"], rec["token"], strict=True):
-        blocks.setdefault(step, (anchor, []))[1].append(token)
-    k = max(len(tokens) for _, tokens in blocks.values())
-    steps = sorted(blocks)
-    anchors = torch.tensor([blocks[s][0] for s in steps])
-    # Short blocks are padded with their last draft: the padded offsets are never read.
-    forced = torch.tensor([t + [t[-1]] * (k - len(t)) for _, t in (blocks[s] for s in steps)])
-    chains = replay_drafts(
-        drafter, aux, torch.tensor(ids), anchors, k, temperature=temperature, forced=forced
-    )
-    where = {s: j for j, s in enumerate(steps)}
-    return [
-        float(chains.confidence[where[s], o - 1])
-        for s, o in zip(rec["step"], rec["offset"], strict=True)
-    ]
-
-
 def rollout_shard(
-    target: Target, drafter: Eagle3Drafter, chunk: list[dict], shard: int, cfg: Config
+    target: Target, drafter: Drafter, chunk: list[dict], shard: int, cfg: Config
 ) -> dict[str, Any]:
     """Decode one shard's prompts; return its sequences, features and logs as columns."""
     order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]["prompt_ids"]))
@@ -257,14 +229,7 @@ def rollout_shard(
         key=lambda r: (steps["sequence"][r], steps["step"][r]),
     )
     steps = {name: [v[r] for r in step_order] for name, v in steps.items()}
-    if cfg.tree is not None:  # the tree decoder logs it; chains replay it (module docstring)
-        confidence = records.pop("confidence", [])
-    else:
-        confidence = []
-        for j, group in itertools.groupby(range(n_rec), key=lambda r: records["sequence"][r]):
-            rows = list(group)
-            one = {name: v[rows[0] : rows[-1] + 1] for name, v in records.items()}
-            confidence += _confidence(drafter, aux_rows[j], sequences[j], one, cfg.temperature)
+    confidence = records.pop("confidence", [])
     return {
         "sequences": sequences,
         "generated": generated,
@@ -484,7 +449,7 @@ STAGE = Stage(
     config=Config,
     run=run,
     doc="target-assisted speculative decoding with the drafter, with a rejection log",
-    inputs={"prompts": ("prompts",), "drafter": DRAFTER_KINDS},
+    inputs={"prompts": ("prompts",), "drafter": DRAFTER_DATASETS},
     default_inputs={"drafter": "sft@latest"},
     sharded=True,
     per_round=True,

@@ -25,7 +25,7 @@ exactly as the decoder would: row e-2 reads the rollout's target feature f_{e-2}
 then K-1 chain steps read only the drafter's own hidden states and tokens. All anchors and
 samples of a sequence share ONE drafter pass over the prefix rows; their chains advance
 together, one batched forward per step, each seeing the prefix rows <= e-2 and its own chain
-keys through the attention mask (`models.speculative.replay_drafts`). Then the target scores
+keys through the attention mask (`Drafter.replay`). Then the target scores
 every replayed token of the sequence in ONE tree-masked forward (`Target.score_tree`: the
 sequence once plus E x n x K branch tokens), instead of one full-prefix forward per anchor.
 
@@ -58,15 +58,14 @@ from pydantic import Field, model_validator
 from torch import Tensor
 from tqdm import tqdm
 
-from models.drafter import Eagle3Drafter
-from models.speculative import replay_drafts
+from models.drafter import Drafter
 from models.target import Target
 from pipeline.checks import VOCAB_FILE, check_drafter_vocab, check_same_target
 from pipeline.config import DraftTree, StrictConfig, optional_field
 from pipeline.drafters import load_drafter_dataset
 from pipeline.rollout import shard_files
 from pipeline.runner import RunContext
-from pipeline.stage import DRAFTER_KINDS, Stage
+from pipeline.stage import DRAFTER_DATASETS, Stage
 from storage import Dataset, DatasetWriter, read_tensor_column, tensor_array, tensor_field
 
 log = logging.getLogger("opd")
@@ -154,7 +153,7 @@ def select_anchors(
 
 def score_sequence(
     target: Target,
-    drafter: Eagle3Drafter,
+    drafter: Drafter,
     input_ids: list[int],
     aux_hidden: Tensor,
     anchors: list[int],
@@ -168,8 +167,7 @@ def score_sequence(
     """
     n = cfg.samples
     starts = torch.tensor(anchors, dtype=torch.long).repeat_interleave(n)  # [R]
-    chains = replay_drafts(
-        drafter,
+    chains = drafter.replay(
         aux_hidden,
         torch.tensor(input_ids),
         starts,
@@ -227,7 +225,7 @@ def _log_positions(rollouts: Dataset, shard: str) -> dict[str, tuple[list[int], 
 
 
 def score_shard(
-    target: Target, drafter: Eagle3Drafter, rollouts: Dataset, i: int, cfg: Config
+    target: Target, drafter: Drafter, rollouts: Dataset, i: int, cfg: Config
 ) -> pa.Table:
     """All replays of rollout shard i, as one table of `replay_schema`."""
     _, feat_shard, rej_shard, _ = shard_files(i)
@@ -251,9 +249,7 @@ def score_shard(
             anchors = select_anchors(rejected, accepted, cfg, rng)
             if not anchors:
                 continue
-            gen = torch.Generator(device=drafter.fc.weight.device).manual_seed(
-                _seed_of(cfg.seed + 1, seq_id)
-            )
+            gen = torch.Generator(device=target.device).manual_seed(_seed_of(cfg.seed + 1, seq_id))
             out = score_sequence(
                 target,
                 drafter,
@@ -370,7 +366,7 @@ STAGE = Stage(
     config=Config,
     run=run,
     doc="replay drafting from the rollout's error positions; the target scores every proposal",
-    inputs={"rollouts": ("rollouts",), "drafter": DRAFTER_KINDS},
+    inputs={"rollouts": ("rollouts",), "drafter": DRAFTER_DATASETS},
     default_inputs={"drafter": "sft@latest"},
     sharded=True,
     per_round=True,

@@ -37,14 +37,17 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import Tensor, nn
 
-from models.drafter import DrafterConfig, DraftVocab, Eagle3Drafter, ttt_unroll
-from models.losses import eagle1_loss, sft_loss, teacher_draft_probs
+from models.acceptance import AcceptanceStats
+from models.drafter import Drafter
+from models.drafters import drafter_class
+from models.losses import teacher_draft_probs
+from models.vocab import DraftVocab
 from pipeline import training
 from pipeline.checks import check_drafter_vocab, check_same_target, check_same_vocab, vocab_of
 from pipeline.config import optional_field
 from pipeline.drafters import load_drafter_dataset, write_drafter_dataset, written_summary
 from pipeline.runner import RunContext
-from pipeline.stage import DRAFTER_KINDS, Stage
+from pipeline.stage import DRAFTER_DATASETS, Stage
 from pipeline.trainer import METRICS_SCHEMA, StepOutput, TrainConfig, Trainer, autocast
 from storage import Dataset, DatasetWriter
 
@@ -110,27 +113,11 @@ class Config(TrainConfig):
         return unrolled_steps(self.objective, self.ttt_steps)
 
 
-class TTTUnroll(nn.Module):
-    """The whole training-time-test unroll as one forward, so DDP sees one forward per backward.
-    Returns per step the logits [B, T, Vd], valid rows [B, T] and hidden_out [B, T, H]."""
-
-    def __init__(self, drafter: Eagle3Drafter, steps: int):
-        super().__init__()
-        self.drafter = drafter
-        self.steps = steps
-
-    def forward(
-        self, aux_hidden: Tensor, input_ids: Tensor, loss_mask: Tensor
-    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-        out = ttt_unroll(self.drafter, aux_hidden, input_ids, steps=self.steps, loss_mask=loss_mask)
-        return [s.logits for s in out], [s.valid for s in out], [s.hidden_out for s in out]
-
-
-def new_drafter(target: Any, vocab: DraftVocab, seed: int) -> Eagle3Drafter:
-    """A freshly initialised drafter for `target` (deterministic in `seed`)."""
-    config = DrafterConfig.from_target(target.config, vocab.draft_vocab_size, target.aux_layer_ids)
+def new_drafter(target: Any, vocab: DraftVocab, seed: int, kind: str = "eagle3") -> Drafter:
+    """A freshly initialised drafter of `kind` for `target` (deterministic in `seed`)."""
+    cls = drafter_class(kind)
     torch.manual_seed(seed)
-    return Eagle3Drafter(config, target.embed_weight, vocab).to(target.device)
+    return cls.new(target, vocab, {}).to(target.device)
 
 
 def to_device(batch: training.PaddedBatch, device: torch.device) -> dict[str, Tensor]:
@@ -139,45 +126,29 @@ def to_device(batch: training.PaddedBatch, device: torch.device) -> dict[str, Te
     return cols
 
 
-def objective_loss(
-    objective: str | None,
-    logits: list[Tensor],
-    valid: list[Tensor],
-    hidden: list[Tensor],
-    teacher: Tensor,
-    last_hidden: Tensor,
-    step_decay: float,
-) -> Tensor:
-    """The training loss of an unroll's steps: EAGLE-3's TTT soft-CE over every step, or
-    EAGLE-1's objective on step 0 (the only step it trains)."""
-    if objective == "eagle1":
-        return eagle1_loss(logits[0], hidden[0], valid[0], teacher, last_hidden)
-    return sft_loss(logits, valid, teacher, step_decay)
-
-
 def train_step(
-    model: nn.Module, batch: training.PaddedBatch, target: Any, vocab: DraftVocab, cfg: Config
+    model: nn.Module, drafter: Drafter, batch: training.PaddedBatch, target: Any, cfg: Config
 ) -> StepOutput:
-    """The objective's loss on one batch, with its per-step T=0 accuracy (summed over ranks)."""
+    """The objective's loss on one batch, with its per-step T=0 accuracy (summed over ranks).
+    `model` is the drafter's training module (DDP-wrapped or FSDP-sharded)."""
     b = to_device(batch, target.device)
     with torch.no_grad():
         target_logits = target.logits_from_hidden(b["last_hidden"])  # [B, T, V]
-        teacher = teacher_draft_probs(target_logits, vocab, cfg.temperature)  # [B, T, Vd]
+        teacher = teacher_draft_probs(target_logits, drafter.vocab, cfg.temperature)  # [B, T, Vd]
     with autocast(target.device, cfg.bf16):
-        logits, valid, hidden = model(b["aux_hidden"], b["input_ids"], b["loss_mask"])
-    loss = objective_loss(
-        cfg.objective, logits, valid, hidden, teacher, b["last_hidden"], cfg.step_decay
+        (out,) = model((b["aux_hidden"], b["input_ids"], b["loss_mask"], None, cfg.unroll_depth))
+    loss = drafter.sft_loss(
+        out, teacher, b["last_hidden"], decay=cfg.step_decay, objective=cfg.objective
     )
-    acc = training.ttt_acceptance(
-        logits, valid, target_logits, vocab, chain_k=min(cfg.tau_k, len(logits)), expected=False
-    ).all_reduce()
+    chain_k = min(cfg.tau_k, cfg.unroll_depth)
+    acc = drafter.acceptance(out, target_logits, chain_k=chain_k, expected=False).all_reduce()
     tokens = batch.num_tokens
     return StepOutput(loss, tokens, tokens * cfg.unroll_depth, {"acc": acc.accuracy()})
 
 
 @torch.no_grad()
 def validate(
-    drafter: Eagle3Drafter,
+    drafter: Drafter,
     loader: training.FeatureLoader,
     target: Any,
     *,
@@ -192,7 +163,7 @@ def validate(
     expected alpha and the simulated taus (all ranks)."""
     vocab = drafter.vocab
     device = next(drafter.parameters()).device
-    stats = training.AcceptanceStats.zeros(ttt_steps, tau_k)
+    stats = AcceptanceStats.zeros(ttt_steps, tau_k)
     loss_sum = torch.zeros(2, dtype=torch.float64)  # [sum of loss x tokens, tokens]
     was_training = drafter.training
     drafter.eval()
@@ -202,24 +173,14 @@ def validate(
             target_logits = target.logits_from_hidden(b["last_hidden"])  # [B, T, V]
             teacher = teacher_draft_probs(target_logits, vocab, temperature)
             with autocast(device, bf16):
-                out = ttt_unroll(
-                    drafter,
-                    b["aux_hidden"],
-                    b["input_ids"],
-                    steps=ttt_steps,
-                    loss_mask=b["loss_mask"],
-                )
-            logits, valid = [s.logits for s in out], [s.valid for s in out]
-            hidden = [s.hidden_out for s in out]
-            loss = objective_loss(
-                objective, logits, valid, hidden, teacher, b["last_hidden"], step_decay
+                out = drafter.unroll(b["aux_hidden"], b["input_ids"], b["loss_mask"], ttt_steps)
+            loss = drafter.sft_loss(
+                out, teacher, b["last_hidden"], decay=step_decay, objective=objective
             )
             loss_sum += torch.tensor(
                 [float(loss) * batch.num_tokens, batch.num_tokens], dtype=torch.float64
             )
-            stats = stats + training.ttt_acceptance(
-                logits, valid, target_logits, vocab, chain_k=tau_k
-            )
+            stats = stats + drafter.acceptance(out, target_logits, chain_k=tau_k)
     drafter.train(was_training)
     stats = stats.all_reduce()
     training.all_reduce_sum(loss_sum)
@@ -245,7 +206,7 @@ def heldout_loader(
 
 
 def validate_heldout(
-    drafter: Eagle3Drafter, loader: training.FeatureLoader, target: Any, *, k: int, bf16: bool
+    drafter: Drafter, loader: training.FeatureLoader, target: Any, *, k: int, bf16: bool
 ) -> dict[str, Any]:
     """The `heldout_*` columns of a val row: teacher-forced acceptance over k steps (the loss's
     settings differ between stages, so only the acceptance, which depends on none, is kept)."""
@@ -262,7 +223,7 @@ def validate_heldout(
 
 def _starting_drafter(
     inputs: dict[str, Dataset], target: Any, vocab: DraftVocab, cfg: Config, ctx: RunContext
-) -> Eagle3Drafter:
+) -> Drafter:
     """A fresh drafter, or (continued SFT) the given one, which must use the features' map."""
     if "drafter" not in inputs:
         return new_drafter(target, vocab, cfg.seed)
@@ -325,7 +286,7 @@ def run(
         cfg,
         stage="sft",
         drafter=drafter,
-        forward=TTTUnroll(drafter, cfg.unroll_depth),
+        forward=drafter.training_module(),
         loader=train,
         total_steps=cfg.epoch_steps(len(train)),
         work_dir=output.store.root / "_work" / "sft" / output.version,
@@ -346,9 +307,9 @@ def run(
     )
 
     def loss_step(model: nn.Module, batch: training.PaddedBatch, step: int) -> StepOutput:
-        return train_step(model, batch, target, vocab, cfg)
+        return train_step(model, drafter, batch, target, cfg)
 
-    def validation(model: Eagle3Drafter, step: int) -> dict[str, Any]:
+    def validation(model: Drafter, step: int) -> dict[str, Any]:
         row: dict[str, Any] = {}
         if val_rows:
             row = validate(
@@ -399,7 +360,7 @@ def run(
         "target": ctx.target_loader.identity,
         "validation": last_val and {k: last_val[k] for k in VAL_KEYS},
     } | {k: run_summary[k] for k in SUMMARY_KEYS}
-    write_drafter_dataset(output, drafter, feats, result.metrics, METRICS_SCHEMA, summary)
+    summary = write_drafter_dataset(output, drafter, feats, result.metrics, METRICS_SCHEMA, summary)
     trainer.finish()
     if world_size > 1:
         output.wait_for_ranks()
@@ -416,7 +377,7 @@ STAGE = Stage(
     inputs={"features": ("features", "rollouts")},
     # Continued SFT: start from a trained drafter; train on more feature sets (same map) too.
     optional_inputs={
-        "drafter": DRAFTER_KINDS,
+        "drafter": DRAFTER_DATASETS,
         "more_features": ("features", "rollouts"),
         "heldout": ("rollouts", "features"),  # measured at every validation, never trained on
     },

@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.config import StrictConfig
 from storage import Dataset, OpdError
 
-DRAFTER_KINDS = ("sft", "opd")
+DRAFTER_DATASETS = ("sft", "opd")
 """Dataset names that hold a trained drafter (what a `drafter` role reads)."""
 
 

@@ -11,8 +11,13 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from models.drafter import check_aux_layer_ids, check_aux_layer_order, default_aux_layer_ids
-from models.target import Target, load_target
+from models.target import (
+    Target,
+    check_aux_layer_ids,
+    check_aux_layer_order,
+    default_aux_layer_ids,
+    load_target,
+)
 from pipeline.config import StrictConfig
 from storage import Dataset, OpdError
 

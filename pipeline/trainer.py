@@ -33,7 +33,7 @@ from pydantic import Field, PositiveInt
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from models.drafter import Eagle3Drafter, build_drafter, drafter_tensors
+from models.drafter import Drafter
 from pipeline import training
 from pipeline.config import StrictConfig, optional_field, runtime_field
 from storage import OpdError
@@ -194,7 +194,7 @@ def empty_row(schema: pa.Schema, kind: str, step: int, epoch: float) -> dict[str
 LossStep = Callable[[nn.Module, Any, int], StepOutput]
 """loss_step(forward, batch, step) -> StepOutput; `forward` is the (DDP-wrapped or
 FSDP-sharded) module."""
-Validate = Callable[[Eagle3Drafter, int], dict[str, Any]]
+Validate = Callable[[Drafter, int], dict[str, Any]]
 """validate(drafter, step) -> the metrics of a `val` row (summed over ranks); `drafter` holds
 the current weights whole (a gathered copy under FSDP), so it may run any number of forwards."""
 
@@ -208,7 +208,7 @@ class Trainer:
         cfg: TrainConfig,
         *,
         stage: str,
-        drafter: Eagle3Drafter,
+        drafter: Drafter,
         forward: nn.Module,
         loader: training.FeatureLoader,
         total_steps: int,
@@ -251,15 +251,13 @@ class Trainer:
                  self.label, world)  # fmt: skip
         return True
 
-    def whole_drafter(self) -> Eagle3Drafter:
+    def whole_drafter(self) -> Drafter:
         """The drafter with its current weights whole: itself, or under FSDP a plain copy
         gathered from every rank (a collective: every rank calls it)."""
         if not self.sharded:
             return self.drafter
-        tensors = {k: training.full_tensor(v) for k, v in drafter_tensors(self.drafter).items()}
-        embed = self.drafter.embed_tokens.weight
-        whole = build_drafter(self.drafter.config, embed, tensors, f"{self.label} (FSDP)")
-        return whole.to(embed.device)
+        tensors = {k: training.full_tensor(v) for k, v in self.drafter.tensors().items()}
+        return self.drafter.rebuilt(tensors, f"{self.label} (FSDP)")
 
     def _setup_optimizer(self) -> None:
         cfg = self.cfg
@@ -280,7 +278,7 @@ class Trainer:
         if latest is None:
             return
         saved = ckpt.load(latest, optimizer=self.optimizer, scheduler=self.schedule)
-        if saved.model.keys() != drafter_tensors(self.drafter).keys():
+        if saved.model.keys() != self.drafter.tensors().keys():
             raise OpdError(
                 f"checkpoint {ckpt.path(latest)} holds other tensors than the drafter; delete it"
             )
@@ -297,7 +295,7 @@ class Trainer:
         so the files are the same as unsharded (and a run may resume across `fsdp`)."""
         if self.rank != 0 and not self.sharded:
             return
-        model = {k: training.full_tensor(v) for k, v in drafter_tensors(self.drafter).items()}
+        model = {k: training.full_tensor(v) for k, v in self.drafter.tensors().items()}
         optimizer = (
             training.full_optimizer_state(self.optimizer.state_dict())
             if self.sharded

@@ -9,7 +9,6 @@
   (never pickle), so a resumed run continues bit-for-bit where the saved one stopped.
 - DDP and FSDP helpers that are no-ops in a single process (`torchrun` initialises
   torch.distributed).
-- `AcceptanceStats`: per-step greedy acceptance of an unrolled drafter and the simulated tau.
 """
 
 from __future__ import annotations
@@ -40,8 +39,6 @@ from safetensors.torch import save as safetensors_save
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models.drafter import DraftVocab
-from models.losses import acceptance_rate, teacher_draft_probs
 from storage import Dataset, OpdError, disk_error, read_tensor_column
 
 # -- distributed ---------------------------------------------------------------------------
@@ -778,119 +775,3 @@ class Checkpointer:
 
 
 # -- validation metrics --------------------------------------------------------------------
-
-
-@dataclass
-class AcceptanceStats:
-    """Sums (so batches and ranks add up) for the greedy acceptance of an unrolled drafter.
-
-    Step k of row t drafts token x_{t+k+2}; the target's own choice there is the argmax of its
-    logits at position t+k+1. hits[k] / valid[k] is the T=0 acceptance proxy alpha_k;
-    alpha_sum[k] / valid[k] the expected T=1 acceptance sum_v min(p, q). `chain_len` adds up,
-    over rows valid at each of the first `chain_k` steps, the number of leading steps that hit:
-    the accepted length greedy speculative decoding would get from that row (steps >= 1 read
-    ground-truth tokens, which equal the drafts exactly while the chain is still accepted).
-    """
-
-    hits: Tensor  # [K] float64
-    valid: Tensor  # [K]
-    alpha_sum: Tensor  # [K]
-    chain_rows: Tensor  # []
-    chain_len: Tensor  # []
-    chain_k: int
-
-    @classmethod
-    def zeros(cls, steps: int, chain_k: int) -> AcceptanceStats:
-        z = torch.zeros(steps, dtype=torch.float64)
-        return cls(
-            z,
-            z.clone(),
-            z.clone(),
-            torch.zeros((), dtype=torch.float64),
-            torch.zeros((), dtype=torch.float64),
-            chain_k,
-        )
-
-    def __add__(self, other: AcceptanceStats) -> AcceptanceStats:
-        return AcceptanceStats(
-            self.hits + other.hits,
-            self.valid + other.valid,
-            self.alpha_sum + other.alpha_sum,
-            self.chain_rows + other.chain_rows,
-            self.chain_len + other.chain_len,
-            self.chain_k,
-        )
-
-    def all_reduce(self) -> AcceptanceStats:
-        """Sum over ranks (no-op in a single process)."""
-        flat = torch.cat(
-            [self.hits, self.valid, self.alpha_sum, self.chain_rows[None], self.chain_len[None]]
-        )
-        all_reduce_sum(flat)
-        k = len(self.hits)
-        return AcceptanceStats(
-            flat[:k], flat[k : 2 * k], flat[2 * k : 3 * k], flat[-2], flat[-1], self.chain_k
-        )
-
-    def accuracy(self) -> list[float]:
-        return (self.hits / self.valid.clamp_min(1)).tolist()
-
-    def summary(self) -> dict[str, Any]:
-        """Per-step accuracy and expected alpha; tau = 1 + sum_k prod_{i<=k} alpha_i over chain_k steps."""
-        k = self.chain_k
-        acc = self.hits / self.valid.clamp_min(1)
-        alpha = self.alpha_sum / self.valid.clamp_min(1)
-        return {
-            "acc": acc.tolist(),
-            "alpha": alpha.tolist(),
-            "tau_sim": float(1 + acc[:k].cumprod(0).sum()),
-            "tau_expected": float(1 + alpha[:k].cumprod(0).sum()),
-            "tau_chain": float(1 + self.chain_len / self.chain_rows.clamp_min(1)),
-        }
-
-
-@torch.no_grad()
-def ttt_acceptance(
-    step_logits: Sequence[Tensor],
-    step_valid: Sequence[Tensor],
-    target_logits: Tensor,
-    vocab: DraftVocab,
-    *,
-    chain_k: int,
-    expected: bool = True,
-) -> AcceptanceStats:
-    """AcceptanceStats of one unrolled batch.
-
-    step_logits[k] [B, T, Vd] and step_valid[k] [B, T] bool are TTT step k's outputs (row t
-    drafts x_{t+k+2}); target_logits [B, T, V] are the target's logits at every position.
-    `expected` also computes sum_v min(p, q) at T=1 (one [B, T, V] softmax per step).
-    """
-    K = len(step_logits)
-    if not 1 <= chain_k <= K:
-        raise OpdError(f"chain_k must be in [1, {K}] (the unrolled steps), got {chain_k}")
-    B, T, _ = target_logits.shape
-    stats = AcceptanceStats.zeros(K, chain_k)
-    target_choice = target_logits.argmax(-1)  # [B, T]
-    p_full = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False) if expected else None
-    chain_alive = torch.ones(B, T, dtype=torch.bool, device=target_logits.device)
-    chain_valid = torch.ones_like(chain_alive)
-    chain_len = torch.zeros(B, T, dtype=torch.float64, device=target_logits.device)
-    for k, (logits, valid) in enumerate(zip(step_logits, step_valid, strict=True)):
-        n = T - k - 1  # rows whose target position t+k+1 exists
-        hit = torch.zeros_like(valid)
-        if n > 0:
-            drafted = vocab.to_target(logits[:, :n].argmax(-1))  # [B, n]
-            hit[:, :n] = (drafted == target_choice[:, k + 1 :]) & valid[:, :n]
-            if p_full is not None:
-                q = logits[:, :n].float().softmax(-1)  # [B, n, Vd]
-                alpha = acceptance_rate(q, p_full[:, k + 1 :])  # [B, n]
-                stats.alpha_sum[k] = alpha[valid[:, :n]].double().sum()
-        stats.hits[k] = hit.sum()
-        stats.valid[k] = valid.sum()
-        if k < chain_k:
-            chain_valid &= valid
-            chain_alive &= hit
-            chain_len += chain_alive
-    stats.chain_rows = chain_valid.sum().double()
-    stats.chain_len = chain_len[chain_valid].sum()
-    return stats

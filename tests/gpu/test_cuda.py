@@ -4,7 +4,7 @@ tolerance, pinned feature batches, bf16 by default. Skipped (with the reason) wi
 import pytest
 import torch
 
-from models.drafter import DraftVocab
+from models.vocab import DraftVocab
 from pipeline import features, generate, sft, training
 from pipeline.checks import vocab_of
 from pipeline.profiles import load_config

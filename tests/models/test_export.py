@@ -9,13 +9,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from models.drafter import DrafterConfig, DraftVocab, Eagle3Drafter
+from models.eagle3.drafter import Eagle3Drafter
+from models.eagle3.model import Eagle3Config
 from models.export import (
     ExportError,
     export_eagle3,
     export_speculators,
     load_export,
 )
+from models.vocab import DraftVocab
 
 LAYER_TENSORS = [
     "input_layernorm.weight",
@@ -36,7 +38,7 @@ DRAFT_VOCAB = 40
 def drafter(tiny_llama) -> Eagle3Drafter:
     torch.manual_seed(0)
     vocab = DraftVocab.from_counts(torch.randint(0, 1000, (tiny_llama.vocab_size,)), DRAFT_VOCAB)
-    config = DrafterConfig.from_target(tiny_llama.config, DRAFT_VOCAB, tiny_llama.aux_layer_ids)
+    config = Eagle3Config.from_target(tiny_llama.config, DRAFT_VOCAB, tiny_llama.aux_layer_ids)
     model = Eagle3Drafter(config, tiny_llama.embed_weight, vocab)
     with torch.no_grad():
         for p in model.parameters():
@@ -336,5 +338,5 @@ def test_speculators_load_uses_the_embedding_stored_in_the_export(drafter, tiny_
 def test_drafter_config_refuses_unordered_repeated_or_out_of_range_aux_ids(tiny_llama, ids):
     config = target_dict(tiny_llama, num_hidden_layers=6)
     with pytest.raises(ValueError, match=r"strictly increasing and >= 1|out of range.*\[1, 6\)"):
-        DrafterConfig.from_target(config, DRAFT_VOCAB, ids)
-    DrafterConfig.from_target(config, DRAFT_VOCAB, (1, 3, 5))
+        Eagle3Config.from_target(config, DRAFT_VOCAB, ids)
+    Eagle3Config.from_target(config, DRAFT_VOCAB, (1, 3, 5))

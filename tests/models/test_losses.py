@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.drafter import DraftVocab, shift_left
+from models.eagle3.model import shift_left
 from models.losses import (
     acceptance_rate,
     ce_rollout_loss,
@@ -29,6 +29,7 @@ from models.losses import (
     total_variation,
     ttt_loss,
 )
+from models.vocab import DraftVocab
 
 V, VD, B, T = 12, 7, 2, 5
 

@@ -4,7 +4,7 @@ import polars as pl
 import pytest
 import torch
 
-from models.speculative import target_generate
+from models.decoding import target_generate
 from pipeline import evaluate, features, generate, sft
 from pipeline.runner import run_stage
 

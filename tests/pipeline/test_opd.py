@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.drafter import DrafterCache, load_drafter
+from models.drafters import load_drafter
+from models.kv import KVCache
 from models.losses import replay_loss
 from pipeline import drafters, features, generate, opd, sft, training
 from pipeline.drafters import load_drafter_dataset
@@ -148,7 +149,7 @@ def _inputs(w, **over):
 def _direct_chain_logits(drafter, aux, ids, e, tokens):
     """Draft from prefix y<e as speculative decoding does: prefix rows 0..e-2 with a cache, then
     chain steps on the drafter's own hidden state and the given tokens. -> [K, Vd]."""
-    cache = DrafterCache()
+    cache = KVCache()
     n = e - 1
     logits, hidden = drafter(
         ids[None, 1 : n + 1], drafter.fuse(aux[None, :n]), torch.arange(n)[None], cache=cache
@@ -202,10 +203,10 @@ def test_loss_on_hand_made_replays_equals_a_direct_computation(world, name):
     index = opd.ReplayIndex(world["replays"], world["rollouts"], full_sequences=False)
     b = index.collate([0, 1, 2])
     assert len(b.item) == 6  # two anchors per item, trained in one unroll per item
-    [(step_logits, _)] = opd.Unrolls(drafter)(
-        (b.aux_hidden, b.input_ids, b.loss_mask, b.step_tokens, K)
+    [out] = drafter.training_module()(
+        (b.aux_hidden, b.input_ids, b.loss_mask, (b.item, b.anchor, b.tokens), K)
     )
-    logits = opd.replay_logits(step_logits, b.item, b.row)
+    logits = drafter.replay_logits(out, b.item, b.anchor)
     target_logits = target.logits_from_hidden(b.teacher_hidden)
     accepted, mask = opd.replay_outcomes(b.accept_prob, b.replay_length, "all", torch.Generator())
     assert accepted.any() and (~accepted).any()
@@ -214,10 +215,10 @@ def test_loss_on_hand_made_replays_equals_a_direct_computation(world, name):
     )
 
     direct_q = []
-    for item, row, tokens in zip(b.item.tolist(), b.row.tolist(), b.tokens, strict=True):
+    for item, e, tokens in zip(b.item.tolist(), b.anchor.tolist(), b.tokens, strict=True):
         n = int(b.lengths[item])
         aux, ids = b.aux_hidden[item, :n], b.input_ids[item, :n]
-        direct_q.append(_direct_chain_logits(drafter, aux, ids, row + 2, tokens))
+        direct_q.append(_direct_chain_logits(drafter, aux, ids, e, tokens))
     want = _direct_loss(name, direct_q, target_logits, b.tokens, accepted, drafter.vocab, 0.7)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     # the reference is sensitive: the teacher of the wrong position gives another value
@@ -234,31 +235,24 @@ def test_later_steps_never_read_target_activations_past_the_prefix(world):
     # full sequences: the unroll covers rows past every anchor, so the check is not trivial
     index = opd.ReplayIndex(world["replays"], world["rollouts"], full_sequences=True)
     b = index.collate([0])
-    e1, e2 = (b.row + 2).tolist()
+    e1, e2 = b.anchor.tolist()
     assert e1 < e2
 
     def chains(batch):
-        [(step_logits, _)] = opd.Unrolls(drafter)(
-            (batch.aux_hidden, batch.input_ids, batch.loss_mask, batch.step_tokens, K)
+        replays = (batch.item, batch.anchor, batch.tokens)
+        [out] = drafter.training_module()(
+            (batch.aux_hidden, batch.input_ids, batch.loss_mask, replays, K)
         )
-        return opd.replay_logits(step_logits, batch.item, batch.row)
+        return drafter.replay_logits(out, batch.item, batch.anchor)
 
     before = chains(b)
     g = torch.Generator().manual_seed(1)
     aux = b.aux_hidden.clone()
     aux[:, e1 - 1 :] = torch.randn(aux[:, e1 - 1 :].shape, generator=g).to(aux.dtype)
     ids = b.input_ids.clone()
+    # (later steps of non-anchor rows read ground truth from input_ids: perturbed too)
     ids[:, e1:] = torch.randint(0, 400, ids[:, e1:].shape, generator=g)
-    # ground-truth step tokens of non-anchor rows are target data past the prefix too
-    steps = [None] + [
-        torch.where(b.anchor_rows, t, torch.randint(0, 400, t.shape, generator=g))
-        for t in b.step_tokens[1:]
-    ]
-    perturbed = chains(
-        opd.ReplayBatch(
-            **(b.__dict__ | {"aux_hidden": aux, "input_ids": ids, "step_tokens": steps})
-        )
-    )
+    perturbed = chains(opd.ReplayBatch(**(b.__dict__ | {"aux_hidden": aux, "input_ids": ids})))
     torch.testing.assert_close(
         perturbed[0], before[0], rtol=0, atol=1e-6
     )  # all K steps of anchor e1
@@ -268,10 +262,10 @@ def test_later_steps_never_read_target_activations_past_the_prefix(world):
 def _training_loss(drafter, index, rows, target):
     b = index.collate(rows)
     with torch.no_grad():
-        [(step_logits, _)] = opd.Unrolls(drafter)(
-            (b.aux_hidden, b.input_ids, b.loss_mask, b.step_tokens, K)
+        [out] = drafter.training_module()(
+            (b.aux_hidden, b.input_ids, b.loss_mask, (b.item, b.anchor, b.tokens), K)
         )
-        logits = opd.replay_logits(step_logits, b.item, b.row)
+        logits = drafter.replay_logits(out, b.item, b.anchor)
         accepted, mask = opd.replay_outcomes(
             b.accept_prob, b.replay_length, "all", torch.Generator()
         )

@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from models.drafter import CONFIG_FILE, WEIGHTS_FILE, DrafterCache, DraftVocab, save_drafter
+from models.drafters import CONFIG_FILE, WEIGHTS_FILE, save_drafter
+from models.kv import KVCache
+from models.vocab import DraftVocab
 from pipeline import features, rollout, score, sft
 from pipeline.drafters import load_drafter_dataset
 from pipeline.runner import RunContext, run_stage
@@ -64,7 +66,7 @@ def log_positions(rollouts) -> dict[str, dict[str, set[int]]]:
 @torch.no_grad()
 def chain_alone(drafter, aux, ids, e: int, k: int, temperature: float, forced=None):
     """The reference: ONE chain from anchor e with a plain causal cache (no batching, no masks)."""
-    cache = DrafterCache()
+    cache = KVCache()
     ids = torch.tensor(ids)
     hidden = drafter.fuse(aux[None, : e - 1])
     logits, h = drafter(ids[None, 1:e], hidden, torch.arange(e - 1)[None], cache=cache)

@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.drafter import DraftVocab, load_drafter, shift_left, ttt_unroll
+from models.drafters import load_drafter
 from models.losses import (
     feature_regression,
-    sft_loss,
     soft_cross_entropy,
     teacher_draft_probs,
     ttt_loss,
 )
+from models.vocab import DraftVocab
 from pipeline import drafters, evaluate, experiment, features, generate, sft, training
 from pipeline.config import version_dict
 from pipeline.profiles import load_config
@@ -241,20 +241,16 @@ def test_eagle1_trains_one_step_on_the_next_positions_state_and_its_drafter_eval
     drafter = sft.new_drafter(target, DraftVocab(v["d2t"], v["t2d"]), seed=0)
     index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
     batch = index.collate([0, 3, 5])
-    out = sft.train_step(
-        sft.TTTUnroll(drafter, cfg.unroll_depth), batch, target, drafter.vocab, cfg
-    )
+    out = sft.train_step(drafter.training_module(), drafter, batch, target, cfg)
     assert out.row_steps == out.tokens == batch.num_tokens  # one unrolled step per row
     assert len(out.extra["acc"]) == 1
     b = sft.to_device(batch, target.device)
-    (step0,) = ttt_unroll(
-        drafter, b["aux_hidden"], b["input_ids"], steps=1, loss_mask=b["loss_mask"]
-    )
+    step0 = drafter.unroll(b["aux_hidden"], b["input_ids"], b["loss_mask"], 1)
     teacher = teacher_draft_probs(target.logits_from_hidden(b["last_hidden"]), drafter.vocab)
-    rows = step0.valid[:, :-1]
+    rows = step0.valid[0][:, :-1]
     want = feature_regression(
-        step0.hidden_out[:, :-1], b["last_hidden"][:, 1:], rows
-    ) + 0.1 * soft_cross_entropy(step0.logits[:, :-1], teacher[:, 1:], rows)
+        step0.hidden[0][:, :-1], b["last_hidden"][:, 1:], rows
+    ) + 0.1 * soft_cross_entropy(step0.logits[0][:, :-1], teacher[:, 1:], rows)
     torch.testing.assert_close(out.loss, want)
 
     ds = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
@@ -303,18 +299,14 @@ def test_sft_loss_scores_step_k_against_the_teacher_at_t_plus_k_plus_1(tiny_feat
     index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
     b = index.collate([0, 3, 5])
     mask = b["loss_mask"].bool()
-    steps = ttt_unroll(drafter, b["aux_hidden"], b["input_ids"], steps=4, loss_mask=mask)
-    logits, valid = [s.logits for s in steps], [s.valid for s in steps]
+    out = drafter.unroll(b["aux_hidden"], b["input_ids"], mask, 4)
     teacher = teacher_draft_probs(target.logits_from_hidden(b["last_hidden"]), drafter.vocab)
-    # the reference aligns with full-size shifted copies, as models.drafter documents
-    shifted = [shift_left(teacher, k + 1) for k in range(4)]
-    torch.testing.assert_close(
-        sft_loss(logits, valid, teacher, 0.8), ttt_loss(logits, shifted, valid, 0.8)
-    )
+    got = drafter.sft_loss(out, teacher, b["last_hidden"], decay=0.8, objective=None)
+    # the reference aligns step k's row t with full-size copies of the teacher at t+k+1
+    shifted = [torch.cat([teacher[:, k + 1 :], teacher[:, : k + 1] * 0], 1) for k in range(4)]
+    torch.testing.assert_close(got, ttt_loss(out.logits, shifted, out.valid, 0.8))
     # and a misaligned teacher gives another value (the check can fail)
-    assert not torch.isclose(
-        sft_loss(logits, valid, teacher, 0.8), ttt_loss(logits, [teacher] * 4, valid, 0.8)
-    )
+    assert not torch.isclose(got, ttt_loss(out.logits, [teacher] * 4, out.valid, 0.8))
 
 
 _DDP_WORKER = r"""

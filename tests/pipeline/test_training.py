@@ -11,10 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-import torch.nn.functional as F
 
-from models.drafter import DraftVocab
-from models.losses import acceptance_rate, teacher_draft_probs
 from pipeline import training
 from storage import OpdError, Store, tensor_array, tensor_field
 
@@ -370,100 +367,6 @@ def test_a_full_disk_during_a_checkpoint_is_one_error_and_keeps_the_earlier_ones
     monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000001"]
     assert ck.latest() == 1
-
-
-# -- acceptance metrics --------------------------------------------------------------------
-
-
-def _vocab() -> DraftVocab:
-    # target vocab 8, draft vocab = target ids {1, 3, 4, 6}
-    t2d = torch.zeros(8, dtype=torch.bool)
-    t2d[[1, 3, 4, 6]] = True
-    return DraftVocab(torch.tensor([1, 2, 2, 3]), t2d)
-
-
-def test_ttt_acceptance_against_a_reference():
-    vocab = _vocab()
-    B, T, K = 2, 7, 3
-    g = torch.Generator().manual_seed(0)
-    target_logits = torch.randn(B, T, 8, generator=g) * 3
-    target_choice = target_logits.argmax(-1)
-    step_logits, step_valid = [], []
-    for k in range(K):
-        logits = torch.randn(B, T, 4, generator=g)
-        # make about half of the drafts agree with the target's argmax (when it is a draft token)
-        for b in range(B):
-            for t in range(T - k - 1):
-                d = vocab.to_draft(target_choice[b, t + k + 1 : t + k + 2])
-                if d.item() >= 0 and (b + t + k) % 2 == 0:
-                    logits[b, t, d.item()] += 10
-        valid = torch.zeros(B, T, dtype=torch.bool)
-        valid[:, : T - k - 2] = True
-        valid[1, 0] = False
-        step_logits.append(logits)
-        step_valid.append(valid)
-    stats = training.ttt_acceptance(step_logits, step_valid, target_logits, vocab, chain_k=2)
-
-    # reference, one row at a time
-    p_full = F.softmax(target_logits, -1)[..., vocab.draft_to_target_ids]
-    hits = torch.zeros(K)
-    alpha = torch.zeros(K)
-    chain_rows, chain_len = 0, 0
-    for b in range(B):
-        for t in range(T):
-            row_hits = []
-            for k in range(K):
-                if not step_valid[k][b, t]:
-                    row_hits.append(None)
-                    continue
-                drafted = vocab.to_target(step_logits[k][b, t].argmax())
-                h = int(drafted == target_choice[b, t + k + 1])
-                hits[k] += h
-                alpha[k] += torch.minimum(
-                    step_logits[k][b, t].softmax(-1), p_full[b, t + k + 1]
-                ).sum()
-                row_hits.append(h)
-            if all(h is not None for h in row_hits[:2]):
-                chain_rows += 1
-                chain_len += row_hits[0] + row_hits[0] * row_hits[1]
-    valid = torch.tensor([float(v.sum()) for v in step_valid])
-    s = stats.summary()
-    assert stats.hits.tolist() == hits.tolist() and stats.valid.tolist() == valid.tolist()
-    assert 0 < hits.sum() < valid.sum()  # the case is not degenerate
-    assert s["acc"] == pytest.approx((hits / valid).tolist())
-    assert s["alpha"] == pytest.approx((alpha / valid).tolist(), rel=1e-5)
-    acc = hits / valid
-    assert s["tau_sim"] == pytest.approx(1 + acc[0] + acc[0] * acc[1])
-    a = alpha / valid
-    assert s["tau_expected"] == pytest.approx(float(1 + a[0] + a[0] * a[1]), rel=1e-5)
-    assert s["tau_chain"] == pytest.approx(1 + chain_len / chain_rows)
-    # the expected alpha is B's acceptance_rate against the full target distribution
-    q = step_logits[0][0, 0].softmax(-1)
-    ref = acceptance_rate(
-        q, teacher_draft_probs(target_logits[0, 1], vocab, 1.0, renormalize=False)
-    )
-    assert float(ref) <= 1
-    # sums add over batches (and ranks)
-    both = stats + stats
-    assert (
-        both.summary()["acc"] == pytest.approx(s["acc"])
-        and both.hits.tolist() == (2 * hits).tolist()
-    )
-
-
-def test_perfect_drafter_reaches_tau_k_plus_one():
-    vocab = _vocab()
-    T, K = 10, 4
-    target_ids = torch.tensor([1, 3, 4, 6])[torch.arange(T) % 4]
-    target_logits = F.one_hot(target_ids, 8).float()[None] * 20  # [1, T, 8]
-    logits = [
-        F.one_hot(vocab.to_draft(target_ids).roll(-(k + 1)), 4).float()[None] * 20 for k in range(K)
-    ]
-    valid = [torch.arange(T)[None] < T - k - 2 for k in range(K)]
-    s = training.ttt_acceptance(logits, valid, target_logits, vocab, chain_k=3).summary()
-    assert s["acc"] == [1.0] * K
-    assert s["tau_sim"] == pytest.approx(4.0) and s["tau_chain"] == pytest.approx(4.0)
-    assert s["tau_expected"] == pytest.approx(4.0, abs=1e-3)
 
 
 # -- distributed ---------------------------------------------------------------------------

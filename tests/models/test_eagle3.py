@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -14,18 +15,14 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from models.drafter import (
-    DrafterCache,
-    DrafterConfig,
-    DraftVocab,
-    Eagle3Drafter,
-    load_drafter,
-    rope_inv_freq,
-    save_drafter,
-    shift_left,
-    ttt_unroll,
-)
-from models.losses import teacher_draft_probs, ttt_loss
+from models.drafters import load_drafter, save_drafter
+from models.eagle3.drafter import Eagle3Drafter
+from models.eagle3.model import Eagle3Config, shift_left, ttt_unroll
+from models.eagle3.train import Unrolled, ttt_acceptance
+from models.kv import KVCache
+from models.layers import rope_inv_freq
+from models.losses import acceptance_rate, teacher_draft_probs, ttt_loss
+from models.vocab import DraftVocab
 
 DRAFT_VOCAB = 64
 
@@ -34,7 +31,7 @@ def make_drafter(target, *, draft_vocab_size: int = DRAFT_VOCAB, seed: int = 0, 
     """A drafter for `target`; std > 0 re-draws every trainable weight (incl. norms) at that scale."""
     torch.manual_seed(seed)
     vocab = DraftVocab.from_counts(torch.randint(0, 1000, (target.vocab_size,)), draft_vocab_size)
-    config = DrafterConfig.from_target(target.config, draft_vocab_size, target.aux_layer_ids)
+    config = Eagle3Config.from_target(target.config, draft_vocab_size, target.aux_layer_ids)
     drafter = Eagle3Drafter(config, target.embed_weight, vocab)
     if std:
         with torch.no_grad():
@@ -52,9 +49,9 @@ def features(target, B: int = 2, T: int = 12, seed: int = 1):
 
 
 def chain_logits(drafter, aux, ids, t, steps, step_tokens=None):
-    """What speculative decoding computes: step 0 over rows 0..t into a DrafterCache, then a chain."""
+    """What speculative decoding computes: step 0 over rows 0..t into a KVCache, then a chain."""
     B = ids.shape[0]
-    cache = DrafterCache()
+    cache = KVCache()
     logits, hidden = drafter(
         ids[:, 1 : t + 2],
         drafter.fuse(aux[:, : t + 1]),
@@ -74,7 +71,7 @@ def chain_logits(drafter, aux, ids, t, steps, step_tokens=None):
 
 
 def test_config_copies_target_and_round_trips_json(tiny_llama):
-    config = DrafterConfig.from_target(tiny_llama.config, DRAFT_VOCAB, tiny_llama.aux_layer_ids)
+    config = Eagle3Config.from_target(tiny_llama.config, DRAFT_VOCAB, tiny_llama.aux_layer_ids)
     hf = tiny_llama.config
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (
         hf.hidden_size,
@@ -86,7 +83,7 @@ def test_config_copies_target_and_round_trips_json(tiny_llama):
     assert config.max_position_embeddings == hf.max_position_embeddings
     assert config.rms_norm_eps == hf.rms_norm_eps
     assert config.aux_layer_ids == tuple(tiny_llama.aux_layer_ids)
-    restored = DrafterConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    restored = Eagle3Config.from_dict(json.loads(json.dumps(config.to_dict())))
     assert restored == config
 
 
@@ -101,7 +98,7 @@ def test_config_reads_transformers4_rope_keys_and_default_aux_ids():
         "rope_theta": 500000.0,
         "rope_scaling": {"type": "linear", "factor": 2.0},
     }
-    config = DrafterConfig.from_target(legacy, 50)
+    config = Eagle3Config.from_target(legacy, 50)
     assert config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}
     assert config.aux_layer_ids == (2, 6, 9)
     assert config.num_key_value_heads == 4
@@ -121,22 +118,22 @@ def test_config_reads_transformers4_rope_keys_and_default_aux_ids():
     ],
 )
 def test_config_refuses_bad_values(tiny_llama, change, message):
-    base = DrafterConfig.from_target(
+    base = Eagle3Config.from_target(
         tiny_llama.config, DRAFT_VOCAB, tiny_llama.aux_layer_ids
     ).to_dict()
     with pytest.raises(ValueError, match=message):
-        DrafterConfig.from_dict({**base, **change})
+        Eagle3Config.from_dict({**base, **change})
 
 
 def test_config_from_dict_refuses_unknown_and_missing_keys(tiny_llama):
-    base = DrafterConfig.from_target(
+    base = Eagle3Config.from_target(
         tiny_llama.config, DRAFT_VOCAB, tiny_llama.aux_layer_ids
     ).to_dict()
-    with pytest.raises(ValueError, match="unknown DrafterConfig keys"):
-        DrafterConfig.from_dict({**base, "tie_embeddings": True})
+    with pytest.raises(ValueError, match="unknown Eagle3Config keys"):
+        Eagle3Config.from_dict({**base, "tie_embeddings": True})
     del base["head_dim"]
     with pytest.raises(ValueError, match="missing keys"):
-        DrafterConfig.from_dict(base)
+        Eagle3Config.from_dict(base)
 
 
 @pytest.mark.parametrize(
@@ -267,7 +264,7 @@ def test_forward_matches_reference_with_llama3_rope_and_gqa():
     )
     torch.manual_seed(0)
     embed = torch.randn(80, 32)
-    config = DrafterConfig.from_target(hf, 50)
+    config = Eagle3Config.from_target(hf, 50)
     drafter = Eagle3Drafter(config, embed, DraftVocab.from_counts(torch.randint(0, 9, (80,)), 50))
     with torch.no_grad():
         for p in drafter.parameters():
@@ -322,7 +319,7 @@ def test_cache_chain_equals_one_causal_pass_and_crop_rewinds(tiny_llama):
     hidden = drafter.fuse(out.aux_hidden)
     positions = torch.arange(10).expand(2, -1)
     full, _ = drafter(ids, hidden, positions)
-    cache = DrafterCache()
+    cache = KVCache()
     parts = [
         drafter(ids[:, a:b], hidden[:, a:b], positions[:, a:b], cache=cache)[0]
         for a, b in ((0, 4), (4, 5), (5, 10))
@@ -508,3 +505,99 @@ def test_drafter_overfits_a_handful_of_sequences(tiny_llama):
     )
     assert last.item() < first.item() / 10, (first.item(), last.item())
     assert first_acc < 0.5 and acc > 0.97, (first_acc, acc)
+
+
+# ----------------------------------------------------------------------------- acceptance metrics
+
+# --------------------------------------------------------------------
+
+
+def _vocab() -> DraftVocab:
+    # target vocab 8, draft vocab = target ids {1, 3, 4, 6}
+    t2d = torch.zeros(8, dtype=torch.bool)
+    t2d[[1, 3, 4, 6]] = True
+    return DraftVocab(torch.tensor([1, 2, 2, 3]), t2d)
+
+
+def test_ttt_acceptance_against_a_reference():
+    vocab = _vocab()
+    B, T, K = 2, 7, 3
+    g = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(B, T, 8, generator=g) * 3
+    target_choice = target_logits.argmax(-1)
+    step_logits, step_valid = [], []
+    for k in range(K):
+        logits = torch.randn(B, T, 4, generator=g)
+        # make about half of the drafts agree with the target's argmax (when it is a draft token)
+        for b in range(B):
+            for t in range(T - k - 1):
+                d = vocab.to_draft(target_choice[b, t + k + 1 : t + k + 2])
+                if d.item() >= 0 and (b + t + k) % 2 == 0:
+                    logits[b, t, d.item()] += 10
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        valid[:, : T - k - 2] = True
+        valid[1, 0] = False
+        step_logits.append(logits)
+        step_valid.append(valid)
+    stats = ttt_acceptance(Unrolled(step_logits, step_valid, []), target_logits, vocab, chain_k=2)
+
+    # reference, one row at a time
+    p_full = F.softmax(target_logits, -1)[..., vocab.draft_to_target_ids]
+    hits = torch.zeros(K)
+    alpha = torch.zeros(K)
+    chain_rows, chain_len = 0, 0
+    for b in range(B):
+        for t in range(T):
+            row_hits = []
+            for k in range(K):
+                if not step_valid[k][b, t]:
+                    row_hits.append(None)
+                    continue
+                drafted = vocab.to_target(step_logits[k][b, t].argmax())
+                h = int(drafted == target_choice[b, t + k + 1])
+                hits[k] += h
+                alpha[k] += torch.minimum(
+                    step_logits[k][b, t].softmax(-1), p_full[b, t + k + 1]
+                ).sum()
+                row_hits.append(h)
+            if all(h is not None for h in row_hits[:2]):
+                chain_rows += 1
+                chain_len += row_hits[0] + row_hits[0] * row_hits[1]
+    valid = torch.tensor([float(v.sum()) for v in step_valid])
+    s = stats.summary()
+    assert stats.hits.tolist() == hits.tolist() and stats.valid.tolist() == valid.tolist()
+    assert 0 < hits.sum() < valid.sum()  # the case is not degenerate
+    assert s["acc"] == pytest.approx((hits / valid).tolist())
+    assert s["alpha"] == pytest.approx((alpha / valid).tolist(), rel=1e-5)
+    acc = hits / valid
+    assert s["tau_sim"] == pytest.approx(1 + acc[0] + acc[0] * acc[1])
+    a = alpha / valid
+    assert s["tau_expected"] == pytest.approx(float(1 + a[0] + a[0] * a[1]), rel=1e-5)
+    assert s["tau_chain"] == pytest.approx(1 + chain_len / chain_rows)
+    # the expected alpha is B's acceptance_rate against the full target distribution
+    q = step_logits[0][0, 0].softmax(-1)
+    ref = acceptance_rate(
+        q, teacher_draft_probs(target_logits[0, 1], vocab, 1.0, renormalize=False)
+    )
+    assert float(ref) <= 1
+    # sums add over batches (and ranks)
+    both = stats + stats
+    assert (
+        both.summary()["acc"] == pytest.approx(s["acc"])
+        and both.hits.tolist() == (2 * hits).tolist()
+    )
+
+
+def test_perfect_drafter_reaches_tau_k_plus_one():
+    vocab = _vocab()
+    T, K = 10, 4
+    target_ids = torch.tensor([1, 3, 4, 6])[torch.arange(T) % 4]
+    target_logits = F.one_hot(target_ids, 8).float()[None] * 20  # [1, T, 8]
+    logits = [
+        F.one_hot(vocab.to_draft(target_ids).roll(-(k + 1)), 4).float()[None] * 20 for k in range(K)
+    ]
+    valid = [torch.arange(T)[None] < T - k - 2 for k in range(K)]
+    s = ttt_acceptance(Unrolled(logits, valid, []), target_logits, vocab, chain_k=3).summary()
+    assert s["acc"] == [1.0] * K
+    assert s["tau_sim"] == pytest.approx(4.0) and s["tau_chain"] == pytest.approx(4.0)
+    assert s["tau_expected"] == pytest.approx(4.0, abs=1e-3)

@@ -1,5 +1,5 @@
-"""Speculative decoding, on chains and on EAGLE-2 trees, is lossless (T=0 token for token, T>0 in
-law), and its logs add up."""
+"""The one decoding loop, on chains and on EAGLE-2 trees (proposals of an EAGLE-3 drafter), is
+lossless (T=0 token for token, T>0 in law), and its logs add up."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import models.speculative as spec
-import models.tree_speculative as tree_spec
-from models.drafter import DrafterConfig, DraftVocab, Eagle3Drafter, shift_left, ttt_unroll
-from models.speculative import SpecConfig, speculative_generate, target_generate
+import models.decoding as spec
+from models.decoding import SpecConfig, speculative_generate, target_generate
+from models.drafter import ChainShape, TreeShape
+from models.eagle3.drafter import Eagle3Drafter
+from models.eagle3.model import Eagle3Config, shift_left, ttt_unroll
 from models.target import Target, load_target
-from models.tree_speculative import TreeConfig, tree_generate
+from models.vocab import DraftVocab
 from tests.models.conftest import tiny_target
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
@@ -38,7 +39,7 @@ def make_drafter(
             target.vocab_size, generator=torch.Generator().manual_seed(0)
         ).float()
     vocab = DraftVocab.from_counts(counts, draft_vocab_size)
-    config = DrafterConfig.from_target(target.config, draft_vocab_size, target.aux_layer_ids)
+    config = Eagle3Config.from_target(target.config, draft_vocab_size, target.aux_layer_ids)
     torch.manual_seed(seed)
     return Eagle3Drafter(config, target.embed_weight, vocab).eval()
 
@@ -115,7 +116,7 @@ def greedy_case(tiny_llama: Target):
 def test_greedy_equals_hf_generate(tiny_llama: Target, greedy_case, which: str, batch: int):
     prompts, reference, fitted = greedy_case
     drafter = fitted if which == "fitted" else make_drafter(tiny_llama, 64, seed=1)
-    cfg = SpecConfig(k=4, temperature=0.0, max_new_tokens=MAX_NEW, eos_token_ids=())
+    cfg = SpecConfig(ChainShape(4), temperature=0.0, max_new_tokens=MAX_NEW, eos_token_ids=())
     got, accepted = [], []
     for i in range(0, len(prompts), batch):
         result = speculative_generate(tiny_llama, drafter, prompts[i : i + batch], cfg)
@@ -131,7 +132,7 @@ def test_greedy_qwen3_batch(tiny_qwen3: Target):
     prompts = random_prompts(20, tiny_qwen3.vocab_size, seed=1)
     reference = hf_greedy(tiny_qwen3, prompts, 16)
     fitted = fit_drafter(tiny_qwen3, [p + r for p, r in zip(prompts, reference, strict=True)], 80)
-    cfg = SpecConfig(k=3, max_new_tokens=16, eos_token_ids=())
+    cfg = SpecConfig(ChainShape(3), max_new_tokens=16, eos_token_ids=())
     result = speculative_generate(tiny_qwen3, fitted, prompts, cfg)
     assert result.sequences == reference
     assert result.stats["tau"] > 1.5
@@ -143,7 +144,7 @@ def test_greedy_stops_at_eos_like_hf(tiny_llama: Target, greedy_case):
     eos = int(torch.tensor(sum(reference, [])).bincount().argmax())
     expected = hf_greedy(tiny_llama, prompts, MAX_NEW, eos=eos)
     assert sum(eos in r for r in expected) >= 8
-    cfg = SpecConfig(k=4, max_new_tokens=MAX_NEW, eos_token_ids=(eos,))
+    cfg = SpecConfig(ChainShape(4), max_new_tokens=MAX_NEW, eos_token_ids=(eos,))
     result = speculative_generate(tiny_llama, fitted, prompts, cfg)
     assert result.sequences == expected
     assert result.finish_reasons == ["eos" if eos in r else "length" for r in expected]
@@ -211,7 +212,7 @@ def chi_square(samples: list[list[int]], joint: torch.Tensor) -> tuple[float, fl
 
 def sample_first_three(target, drafter, k: int, temperature: float, n: int, seed: int = 0):
     cfg = SpecConfig(
-        k=k, temperature=temperature, max_new_tokens=k + 2, seed=seed, eos_token_ids=()
+        ChainShape(k), temperature=temperature, max_new_tokens=k + 2, seed=seed, eos_token_ids=()
     )
     return speculative_generate(target, drafter, [LAW_PROMPT] * n, cfg)
 
@@ -232,13 +233,13 @@ def _accept_always(p_tok, q_tok, gen):
     return torch.ones_like(p_tok, dtype=torch.bool), torch.ones_like(p_tok)
 
 
-def _resample_from_p(p, q_draft, accepted, block_len, draft_to_target, gen):
+def _resample_from_p(p, proposal, accepted, block_len, gen):
     rows = torch.arange(len(p))
     return torch.multinomial(p[rows, accepted], 1, generator=gen)[:, 0]
 
 
 @pytest.mark.parametrize(
-    ("name", "broken"), [("_accept", _accept_always), ("_correction", _resample_from_p)]
+    ("name", "broken"), [("_accept_draft", _accept_always), ("_correction", _resample_from_p)]
 )
 def test_sampling_law_catches_a_broken_verifier(law_case, monkeypatch, name: str, broken):
     target, drafter = law_case
@@ -277,7 +278,9 @@ def test_records_steps_and_stats_add_up(tiny_llama: Target, greedy_case, monkeyp
     prompts, _, fitted = greedy_case
     K = 4
     calls = _count_forwards(monkeypatch, tiny_llama)
-    cfg = SpecConfig(k=K, temperature=temperature, max_new_tokens=MAX_NEW, seed=5, eos_token_ids=())
+    cfg = SpecConfig(
+        ChainShape(K), temperature=temperature, max_new_tokens=MAX_NEW, seed=5, eos_token_ids=()
+    )
     result = speculative_generate(tiny_llama, fitted, prompts, cfg)
     rec, steps, stats = result.records, result.steps, result.stats
 
@@ -348,7 +351,9 @@ def test_drafts_follow_the_training_row_convention(tiny_llama: Target, greedy_ca
     """
     prompts, _, fitted = greedy_case
     K = 3
-    cfg = SpecConfig(k=K, temperature=temperature, max_new_tokens=MAX_NEW, seed=2, eos_token_ids=())
+    cfg = SpecConfig(
+        ChainShape(K), temperature=temperature, max_new_tokens=MAX_NEW, seed=2, eos_token_ids=()
+    )
     result = speculative_generate(tiny_llama, fitted, prompts[:6], cfg)
     rec = result.records
     checked = 0
@@ -387,7 +392,7 @@ def test_drafts_follow_the_training_row_convention(tiny_llama: Target, greedy_ca
 def test_eos_inside_a_block_ends_it(tiny_llama: Target, greedy_case):
     prompts, reference, fitted = greedy_case
     eos = int(torch.tensor(sum(reference, [])).bincount().argmax())
-    cfg = SpecConfig(k=4, max_new_tokens=MAX_NEW, eos_token_ids=(eos,))
+    cfg = SpecConfig(ChainShape(4), max_new_tokens=MAX_NEW, eos_token_ids=(eos,))
     result = speculative_generate(tiny_llama, fitted, prompts, cfg)
     steps = result.steps
     ended = 0
@@ -406,7 +411,7 @@ def test_eos_inside_a_block_ends_it(tiny_llama: Target, greedy_case):
 
 def test_budget_shrinks_the_last_block(tiny_llama: Target, greedy_case):
     prompts, reference, fitted = greedy_case
-    cfg = SpecConfig(k=4, max_new_tokens=6, eos_token_ids=())
+    cfg = SpecConfig(ChainShape(4), max_new_tokens=6, eos_token_ids=())
     result = speculative_generate(tiny_llama, fitted, prompts[:4], cfg)
     assert result.sequences == [r[:6] for r in reference[:4]]
     for s, anchor, drafted in zip(
@@ -424,34 +429,46 @@ def test_bad_inputs_are_refused_before_any_work(tiny_llama: Target, monkeypatch)
     calls = _count_forwards(monkeypatch, tiny_llama)
     prompts = [[1, 2, 3]]
     with pytest.raises(ValueError, match="k .* must be a positive int, got 0"):
-        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(k=0))
+        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(ChainShape(0)))
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
-        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(k=2, temperature=-0.5))
+        speculative_generate(
+            tiny_llama, drafter, prompts, SpecConfig(ChainShape(2), temperature=-0.5)
+        )
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
-        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(k=2, max_new_tokens=0))
+        speculative_generate(
+            tiny_llama, drafter, prompts, SpecConfig(ChainShape(2), max_new_tokens=0)
+        )
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        speculative_generate(tiny_llama, drafter, [[1], []], SpecConfig(k=2))
+        speculative_generate(tiny_llama, drafter, [[1], []], SpecConfig(ChainShape(2)))
     with pytest.raises(ValueError, match=r"outside the target vocab \[0, 96\)"):
-        speculative_generate(tiny_llama, drafter, [[1, 96]], SpecConfig(k=2))
+        speculative_generate(tiny_llama, drafter, [[1, 96]], SpecConfig(ChainShape(2)))
     with pytest.raises(ValueError, match="no prompts"):
-        speculative_generate(tiny_llama, drafter, [], SpecConfig(k=2))
+        speculative_generate(tiny_llama, drafter, [], SpecConfig(ChainShape(2)))
     with pytest.raises(ValueError, match="temperature must be"):
         target_generate(tiny_llama, prompts, 4, temperature=float("nan"))
 
     other_vocab = tiny_target("llama", vocab_size=80)
     with pytest.raises(ValueError, match="drafter vocab size is 80, target's is 96"):
-        speculative_generate(tiny_llama, make_drafter(other_vocab, 40), prompts, SpecConfig(k=2))
+        speculative_generate(
+            tiny_llama, make_drafter(other_vocab, 40), prompts, SpecConfig(ChainShape(2))
+        )
     other_width = tiny_target("llama", hidden_size=48, num_heads=4)
     with pytest.raises(ValueError, match="drafter hidden size is 48, target's is 32"):
-        speculative_generate(tiny_llama, make_drafter(other_width, 64), prompts, SpecConfig(k=2))
+        speculative_generate(
+            tiny_llama, make_drafter(other_width, 64), prompts, SpecConfig(ChainShape(2))
+        )
     five = tiny_target("llama", num_layers=5)
     other_layers = Target.from_model(five.model, aux_layer_ids=(1, 2, 4))
     with pytest.raises(ValueError, match=r"aux layer ids is \(1, 2, 4\), target's is \(1, 2, 3\)"):
-        speculative_generate(five, make_drafter(other_layers, 64), prompts, SpecConfig(k=2))
+        speculative_generate(
+            five, make_drafter(other_layers, 64), prompts, SpecConfig(ChainShape(2))
+        )
     # same shapes, another model's embedding: loads, runs, accepts nothing; refuse it
     other_seed = tiny_target("llama", seed=1)
     with pytest.raises(ValueError, match="embed_tokens is not the target's embedding"):
-        speculative_generate(tiny_llama, make_drafter(other_seed, 64), prompts, SpecConfig(k=2))
+        speculative_generate(
+            tiny_llama, make_drafter(other_seed, 64), prompts, SpecConfig(ChainShape(2))
+        )
     assert calls[0] == 0
 
 
@@ -466,7 +483,7 @@ def test_greedy_equals_hf_generate_on_embedded_target():
     prompts = random_prompts(20, target.vocab_size, seed=7, lengths=(14, 19))
     reference = hf_greedy(target, prompts, 16)
     drafter = make_drafter(target, min(1024, target.vocab_size))
-    cfg = SpecConfig(k=4, max_new_tokens=16, eos_token_ids=())
+    cfg = SpecConfig(ChainShape(4), max_new_tokens=16, eos_token_ids=())
     assert speculative_generate(target, drafter, prompts, cfg).sequences == reference
 
 
@@ -475,9 +492,9 @@ def test_greedy_equals_hf_generate_on_embedded_target():
 TREES = [(4, 3, 10), (3, 4, 16), (5, 2, 5)]  # (depth, top_k, budget); the last has budget = depth
 
 
-def tree_cfg(shape, **kwargs) -> TreeConfig:
+def tree_cfg(shape, min_confidence: float = 0.0, **kwargs) -> SpecConfig:
     depth, top_k, budget = shape
-    return TreeConfig(depth=depth, top_k=top_k, budget=budget, eos_token_ids=(), **kwargs)
+    return SpecConfig(TreeShape(depth, top_k, budget, min_confidence), eos_token_ids=(), **kwargs)
 
 
 # -- (a) T = 0
@@ -499,7 +516,7 @@ def test_tree_greedy_equals_hf_generate(tiny_llama: Target, greedy_case, which, 
     cfg = tree_cfg(shape, max_new_tokens=MAX_NEW)
     got, accepted, sibling_hits = [], [], 0
     for i in range(0, len(prompts), batch):
-        result = tree_generate(tiny_llama, drafter, prompts[i : i + batch], cfg)
+        result = speculative_generate(tiny_llama, drafter, prompts[i : i + batch], cfg)
         got += result.sequences
         accepted += result.steps["accepted"]
         rec = result.records
@@ -533,11 +550,11 @@ def test_confidence_floor_stops_expanding_and_stays_lossless(tiny_llama: Target,
     full = tree_cfg((5, 3, 12), max_new_tokens=MAX_NEW)
     got, forwards, accepted = [], [0, 0], 0
     for prompt in prompts:
-        result = tree_generate(tiny_llama, fitted, [prompt], floor)
+        result = speculative_generate(tiny_llama, fitted, [prompt], floor)
         got += result.sequences
         accepted += sum(result.steps["accepted"])
         forwards[0] += result.stats["drafter_forwards"] / result.stats["verify_steps"]
-        deep = tree_generate(tiny_llama, fitted, [prompt], full)
+        deep = speculative_generate(tiny_llama, fitted, [prompt], full)
         forwards[1] += deep.stats["drafter_forwards"] / deep.stats["verify_steps"]
     assert got == reference
     # fewer drafter forwards per step, yet drafts still accepted
@@ -548,9 +565,14 @@ def test_top1_tree_is_the_chain(tiny_llama: Target, greedy_case):
     """A tree of top-k 1 and budget = depth is a chain: same tokens, same acceptances per step."""
     prompts, _, fitted = greedy_case
     chain = speculative_generate(
-        tiny_llama, fitted, prompts, SpecConfig(k=4, max_new_tokens=MAX_NEW, eos_token_ids=())
+        tiny_llama,
+        fitted,
+        prompts,
+        SpecConfig(ChainShape(4), max_new_tokens=MAX_NEW, eos_token_ids=()),
     )
-    tree = tree_generate(tiny_llama, fitted, prompts, tree_cfg((4, 1, 4), max_new_tokens=MAX_NEW))
+    tree = speculative_generate(
+        tiny_llama, fitted, prompts, tree_cfg((4, 1, 4), max_new_tokens=MAX_NEW)
+    )
     assert tree.sequences == chain.sequences
     for name in ("sequence", "step", "anchor", "drafted", "accepted", "emitted"):
         assert tree.steps[name] == chain.steps[name], name
@@ -562,8 +584,8 @@ def test_tree_stops_at_eos_like_hf(tiny_llama: Target, greedy_case):
     prompts, reference, fitted = greedy_case
     eos = int(torch.tensor(sum(reference, [])).bincount().argmax())
     expected = hf_greedy(tiny_llama, prompts, MAX_NEW, eos=eos)
-    cfg = TreeConfig(depth=4, top_k=3, budget=10, max_new_tokens=MAX_NEW, eos_token_ids=(eos,))
-    result = tree_generate(tiny_llama, fitted, prompts, cfg)
+    cfg = SpecConfig(TreeShape(4, 3, 10), max_new_tokens=MAX_NEW, eos_token_ids=(eos,))
+    result = speculative_generate(tiny_llama, fitted, prompts, cfg)
     assert result.sequences == expected
     assert result.finish_reasons == ["eos" if eos in r else "length" for r in expected]
     steps = result.steps
@@ -576,7 +598,7 @@ def test_tree_stops_at_eos_like_hf(tiny_llama: Target, greedy_case):
 
 def sample_tree(target, drafter, shape, temperature: float, n: int, seed: int = 0):
     cfg = tree_cfg(shape, temperature=temperature, max_new_tokens=shape[0] + 2, seed=seed)
-    return tree_generate(target, drafter, [LAW_PROMPT] * n, cfg)
+    return speculative_generate(target, drafter, [LAW_PROMPT] * n, cfg)
 
 
 # depth 1: siblings and the bonus at x2, x3; depth 2: residuals after rejected siblings at x2
@@ -624,7 +646,7 @@ def _accept_by_q(test, gen):  # Leviathan's test with q = 1/top_k: wrong for poi
 )
 def test_tree_sampling_law_catches_a_broken_verifier(law_case, monkeypatch, name, broken):
     target, drafter = law_case
-    monkeypatch.setattr(tree_spec, name, broken)
+    monkeypatch.setattr(spec, name, broken)
     result = sample_tree(target, drafter, (2, 3, 6), 1.0, n=8_000)
     stat, critical, _ = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, 1.0))
     assert stat > critical
@@ -640,7 +662,7 @@ def test_tree_records_steps_and_stats_add_up(
     prompts, _, fitted = greedy_case
     calls = _count_forwards(monkeypatch, tiny_llama)
     cfg = tree_cfg((4, 3, 10), temperature=temperature, max_new_tokens=MAX_NEW, seed=5)
-    result = tree_generate(tiny_llama, fitted, prompts, cfg)
+    result = speculative_generate(tiny_llama, fitted, prompts, cfg)
     rec, steps, stats = result.records, result.steps, result.stats
 
     per_seq_steps = [steps["sequence"].count(i) for i in range(len(prompts))]
@@ -655,7 +677,7 @@ def test_tree_records_steps_and_stats_add_up(
         by_step.setdefault(key, []).append(i)
     anchors: dict[int, int] = {}
     for s, t, anchor, drafted, acc, emitted, depth in zip(
-        *(steps[c] for c in tree_spec.TREE_STEP_COLUMNS), strict=True
+        *(steps[c] for c in spec.TREE_STEP_COLUMNS), strict=True
     ):
         seq = prompts[s] + result.sequences[s]
         assert emitted == acc + 1 and 0 <= acc <= depth <= 4
@@ -699,24 +721,22 @@ def test_bad_tree_inputs_are_refused_before_any_work(tiny_llama: Target, monkeyp
     calls = _count_forwards(monkeypatch, tiny_llama)
     prompts = [[1, 2, 3]]
     with pytest.raises(ValueError, match=r"budget \(3\) is smaller than its depth \(5\)"):
-        tree_generate(tiny_llama, drafter, prompts, TreeConfig(depth=5, top_k=2, budget=3))
+        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(TreeShape(5, 2, 3)))
     with pytest.raises(ValueError, match="tree top_k must be an int >= 1, got 0"):
-        tree_generate(tiny_llama, drafter, prompts, TreeConfig(depth=2, top_k=0, budget=3))
+        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(TreeShape(2, 0, 3)))
     with pytest.raises(ValueError, match="exceeds the 6 candidates"):
-        tree_generate(tiny_llama, drafter, prompts, TreeConfig(depth=2, top_k=2, budget=7))
+        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(TreeShape(2, 2, 7)))
     with pytest.raises(ValueError, match="exceed the target's context of 512"):
-        tree_generate(
+        speculative_generate(
             tiny_llama,
             drafter,
             prompts,
-            TreeConfig(depth=2, top_k=30, budget=600, max_new_tokens=8),
+            SpecConfig(TreeShape(2, 30, 600), max_new_tokens=8),
         )
     with pytest.raises(ValueError, match=r"min_confidence must lie in \[0, 1\), got 1.5"):
-        tree_generate(
-            tiny_llama, drafter, prompts, TreeConfig(depth=2, top_k=2, budget=4, min_confidence=1.5)
-        )
+        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(TreeShape(2, 2, 4, 1.5)))
     with pytest.raises(ValueError, match=r"top_k \(80\) exceeds the draft vocab \(64\)"):
-        tree_generate(tiny_llama, drafter, prompts, TreeConfig(depth=1, top_k=80, budget=80))
+        speculative_generate(tiny_llama, drafter, prompts, SpecConfig(TreeShape(1, 80, 80)))
     assert calls[0] == 0
 
 
@@ -728,5 +748,5 @@ def test_tree_greedy_equals_hf_generate_on_embedded_target():
     prompts = random_prompts(8, target.vocab_size, seed=7, lengths=(14, 19))
     reference = hf_greedy(target, prompts, 16)
     drafter = make_drafter(target, min(1024, target.vocab_size))
-    cfg = TreeConfig(depth=5, top_k=10, budget=60, max_new_tokens=16, eos_token_ids=())
-    assert tree_generate(target, drafter, prompts, cfg).sequences == reference
+    cfg = SpecConfig(TreeShape(5, 10, 60), max_new_tokens=16, eos_token_ids=())
+    assert speculative_generate(target, drafter, prompts, cfg).sequences == reference

@@ -1,0 +1,187 @@
+"""EAGLE-3 as a drafter kind: the network of models/eagle3/model.py behind the `Drafter`
+interface (its proposals in propose.py, its training forwards in train.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.acceptance import AcceptanceStats
+from models.drafter import Drafter, Proposer, Replayed, Shape, TreeShape
+from models.eagle3.model import Eagle3Config, Eagle3Model
+from models.eagle3.propose import Eagle3Proposer, replay_drafts
+from models.eagle3.train import (
+    OPDUnrolls,
+    Unrolled,
+    objective_loss,
+    replay_logits,
+    rollout_ce_loss,
+    ttt_acceptance,
+    unrolled,
+)
+from models.vocab import DraftVocab
+
+
+class Eagle3Drafter(Eagle3Model, Drafter):
+    kind = "eagle3"
+    export_formats = ("eagle3", "speculators")
+
+    # -- building -------------------------------------------------------------------------
+
+    @classmethod
+    def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> Eagle3Drafter:
+        if settings:
+            raise ValueError(
+                f"EAGLE-3 drafters take no drafter settings, got {sorted(settings)}: they size "
+                "themselves from the target (drop them or set drafter.kind)"
+            )
+        config = Eagle3Config.from_target(
+            target.config, vocab.draft_vocab_size, target.aux_layer_ids
+        )
+        return cls(config, target.embed_weight, vocab)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config: Mapping[str, Any],
+        embed_weight: Tensor,
+        tensors: Mapping[str, Tensor],
+        source: str,
+    ) -> Eagle3Drafter:
+        cfg = Eagle3Config.from_dict(config)
+        if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(
+                f"{source} was trained for a target with vocab {cfg.vocab_size} and hidden size "
+                f"{cfg.hidden_size}, but the given embedding is {tuple(embed_weight.shape)}: load "
+                "it with the target it was trained for"
+            )
+        for name in ("d2t", "t2d"):
+            if name not in tensors:
+                raise ValueError(
+                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
+                )
+        drafter = cls(cfg, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
+        expected = drafter.tensors()
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{source}: missing tensors {missing}, unexpected tensors {unexpected}"
+            )
+        for name, t in tensors.items():
+            if t.shape != expected[name].shape:
+                raise ValueError(
+                    f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                    f"{tuple(expected[name].shape)}"
+                )
+        drafter.to(tensors["fc.weight"].dtype)
+        # `.to()` may have cast the shared embedding; re-attach the target's own tensor.
+        drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
+        drafter.load_state_dict(tensors, strict=False)
+        return drafter
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {
+            name: t.detach().contiguous()
+            for name, t in self.state_dict().items()
+            if not name.startswith("embed_tokens.")
+        }
+
+    def untrained(self) -> Eagle3Drafter:
+        return type(self)(self.config, self.embed_tokens.weight, self.vocab)
+
+    def frozen_embedding(self) -> Tensor:
+        return self.embed_tokens.weight
+
+    def check_target(self, target: Any) -> None:
+        cfg = self.config
+        pairs = [
+            ("vocab size", cfg.vocab_size, target.vocab_size),
+            ("vocab map (t2d) size", self.t2d.numel(), target.vocab_size),
+            ("hidden size", cfg.hidden_size, target.hidden_size),
+            ("target hidden size (fc input / 3)", cfg.target_hidden_size, target.hidden_size),
+            ("target layer count", cfg.target_num_layers, target.num_layers),
+            ("aux layer ids", tuple(cfg.aux_layer_ids), tuple(target.aux_layer_ids)),
+        ]
+        for name, theirs, ours in pairs:
+            if theirs != ours:
+                raise ValueError(
+                    f"drafter does not match the target: drafter {name} is {theirs}, target's "
+                    f"is {ours}; use the drafter trained for this target (or load the target "
+                    "with the drafter's aux layer ids)"
+                )
+        embed, ours = self.embed_tokens.weight, target.embed_weight
+        if embed.data_ptr() != ours.data_ptr() and not torch.equal(
+            embed.to(ours.device, ours.dtype), ours
+        ):
+            raise ValueError(
+                "the drafter's embed_tokens is not the target's embedding; build or load the "
+                "drafter with target.embed_weight"
+            )
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def proposer(
+        self, shape: Shape, temperature: float, generator: torch.Generator, timer: Any
+    ) -> Proposer:
+        if isinstance(shape, TreeShape) and shape.top_k > self.config.draft_vocab_size:
+            raise ValueError(
+                f"tree top_k ({shape.top_k}) exceeds the draft vocab ({self.config.draft_vocab_size})"
+            )
+        return Eagle3Proposer(self, shape, temperature, generator, timer)
+
+    def replay(
+        self,
+        aux_hidden: Tensor,
+        input_ids: Tensor,
+        anchors: Tensor,
+        k: int,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Replayed:
+        return replay_drafts(
+            self, aux_hidden, input_ids, anchors, k, temperature=temperature, generator=generator
+        )
+
+    # -- training -------------------------------------------------------------------------
+
+    def unroll(
+        self,
+        aux_hidden: Tensor,
+        input_ids: Tensor,
+        loss_mask: Tensor | None,
+        steps: int,
+        replays: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> Unrolled:
+        return unrolled(self, aux_hidden, input_ids, loss_mask, steps, replays)
+
+    def training_module(self) -> nn.Module:
+        return OPDUnrolls(self)
+
+    def sft_loss(
+        self,
+        out: Unrolled,
+        teacher: Tensor,
+        last_hidden: Tensor,
+        *,
+        decay: float,
+        objective: str | None = None,
+    ) -> Tensor:
+        return objective_loss(out, teacher, last_hidden, decay=decay, objective=objective)
+
+    def acceptance(
+        self, out: Unrolled, target_logits: Tensor, *, chain_k: int, expected: bool = True
+    ) -> AcceptanceStats:
+        return ttt_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
+
+    def replay_logits(self, out: Unrolled, item: Tensor, anchor: Tensor) -> Tensor:
+        return replay_logits(out, item, anchor)
+
+    def rollout_ce_loss(
+        self, out: Unrolled, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
+    ) -> Tensor:
+        return rollout_ce_loss(out, teacher, item, anchor, decay)
