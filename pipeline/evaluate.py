@@ -163,7 +163,14 @@ def evaluate(
         out.sequences += res.sequences
         sums["target_s"] += res.stats["target_forward_seconds"]
         sums["drafter_s"] += res.stats["drafter_forward_seconds"]
-        for cols, into in ((res.records, records), (res.steps, steps)):
+        # a chain's drafts.parquet leaves the drafter's confidence out: a raw float of the
+        # drafter's forward, its last digits differ between thread counts, and the rows are
+        # byte-identical for any number of evaluate processes (trees always logged it)
+        chain_records = {k: v for k, v in res.records.items() if k != "confidence"}
+        for cols, into in (
+            (chain_records if cfg.tree is None else res.records, records),
+            (res.steps, steps),
+        ):
             for key, values in cols.items():
                 if key == "sequence":
                     values = [v + first + b for v in values]
