@@ -44,10 +44,10 @@ import torch
 
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.drafter import ChainShape, TreeShape
-from pipeline.config import DraftTree
-from pipeline.drafters import load_drafter_dataset
+from pipeline.core.config import DraftTree
+from pipeline.core.drafters import load_drafter_dataset
+from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
-from pipeline.targets import TargetLoader
 from storage import Store, default_root
 
 

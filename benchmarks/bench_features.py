@@ -20,9 +20,9 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from pipeline import features, generate
-from pipeline.runner import RunContext, run_stage
-from pipeline.targets import TargetConfig, TargetLoader
+from pipeline.core.runner import RunContext, run_stage
+from pipeline.core.targets import TargetConfig, TargetLoader
+from pipeline.stages import features, generate
 from storage import Store
 
 

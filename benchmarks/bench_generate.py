@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from models import vllm_engine
-from pipeline import generate, prompts
+from pipeline.core.runner import RunContext, run_stage
+from pipeline.core.targets import TargetLoader, resolve_dtype
 from pipeline.profiles import load_config
-from pipeline.runner import RunContext, run_stage
-from pipeline.targets import TargetLoader, resolve_dtype
+from pipeline.stages import generate, prompts
 from storage import Store
 
 

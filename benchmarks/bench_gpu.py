@@ -17,7 +17,7 @@ import json
 
 from benchmarks import bench_features, bench_generate, bench_sft_loader
 from models import vllm_engine
-from pipeline.targets import TargetConfig
+from pipeline.core.targets import TargetConfig
 
 
 def main() -> None:

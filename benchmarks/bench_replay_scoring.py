@@ -22,7 +22,7 @@ import time
 import torch
 
 from models.target import Target, load_target
-from pipeline.targets import EMBEDDED_TARGET
+from pipeline.core.targets import EMBEDDED_TARGET
 
 
 def bench_target() -> tuple[Target, str]:

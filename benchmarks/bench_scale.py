@@ -29,9 +29,9 @@ from distributed import LocalCluster
 
 from flows.pipeline import dask_runner, fan_out_flow, run_steps_flow
 from pipeline.chains import sft_chain
+from pipeline.core.runner import RunContext
+from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
-from pipeline.runner import RunContext
-from pipeline.targets import TargetLoader
 from storage import Store
 
 REPO = Path(__file__).resolve().parents[1]

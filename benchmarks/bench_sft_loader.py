@@ -28,9 +28,10 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from models.vocab import DraftVocab
-from pipeline import features, sft, training
-from pipeline.runner import RunContext, run_stage
-from pipeline.targets import RandomTargetConfig, TargetConfig, TargetLoader
+from pipeline.core import featurize, training, validation
+from pipeline.core.runner import RunContext, run_stage
+from pipeline.core.targets import RandomTargetConfig, TargetConfig, TargetLoader
+from pipeline.stages import features, sft
 from storage import Store, tensor_array
 
 EMBEDDED_SHAPE = RandomTargetConfig(
@@ -43,7 +44,7 @@ def write_features(
 ):
     """Random bf16 features with realistic lengths; trained on, they only need the right shapes."""
     g = torch.Generator().manual_seed(0)
-    schema = features.feature_schema(hidden)
+    schema = featurize.feature_schema(hidden)
     config = {"rows": rows, "draft_vocab": draft_vocab}
     with store.writer("features", stage="bench", stage_version="1", config=config) as w:
         counts = torch.randint(1, 1000, (vocab,), generator=g)
@@ -83,7 +84,7 @@ def write_features(
 
 def sync_collate_seconds(feats, cfg: sft.Config, steps: int) -> float:
     """Seconds to build `steps` batches of the same plan on the calling thread."""
-    index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
     loader = training.FeatureLoader(
         index, range(len(index)), batch_size=cfg.batch_size, max_tokens=cfg.max_tokens
     )

@@ -14,7 +14,9 @@ What a kind provides:
     drafts; `training_module` wraps it for DDP), `sft_loss` and `acceptance` (the warm-up and
     its teacher-forced acceptance), `replay_logits` / `rollout_ce_loss` (Draft-OPD: the
     drafter along scored replays, for `models.losses.replay_loss`, and its CE anchor);
-  - serving: `export_formats` (the formats `models.export` writes for it).
+  - serving: `export_formats` and `write_export` (the directories vLLM loads, written through
+    `models.export`), `read_export` (one read back), `serve_method` (vLLM's speculative method)
+    and `probe_logits` (logits on a fixed input: the export round trip compares them).
 
 Proposals. Per verify step a proposer returns a `Proposal`: N drafted nodes per batch row. A
 chain (or a block drafted in one forward) is the proposal whose node i continues node i-1; a
@@ -27,6 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -131,7 +134,8 @@ class Drafter(nn.Module, ABC):
     """Base class of every drafter kind (module docstring)."""
 
     kind: ClassVar[str]
-    export_formats: ClassVar[tuple[str, ...]]
+    export_formats: ClassVar[tuple[str, ...]]  # the first is the default
+    serve_method: ClassVar[str]  # vLLM's `--speculative-config` "method" for this kind
     config: Any  # the kind's frozen config dataclass (`to_dict()` / `from_dict()`)
 
     # -- building -------------------------------------------------------------------------
@@ -252,3 +256,30 @@ class Drafter(nn.Module, ABC):
     ) -> Tensor:
         """The warm-up loss on the teacher-forced part of an unroll given replays (the rollout
         sequences' own rows: Draft-OPD's CE anchor at no extra forward)."""
+
+    # -- serving --------------------------------------------------------------------------
+
+    @abstractmethod
+    def write_export(
+        self,
+        fmt: str,
+        out_dir: Path,
+        *,
+        target_config: Any,
+        target_identity: Mapping[str, Any] | None,
+        target_embed_weight: Tensor,
+        speculative_tokens: int,
+        verifier: str | None,
+    ) -> Path:
+        """Write this drafter as `fmt` (one of `export_formats`) into `out_dir`, refusing
+        (`models.export.ExportError`) what vLLM would load but serve wrongly."""
+
+    @classmethod
+    @abstractmethod
+    def read_export(cls, export_dir: Path, embed_weight: Tensor | None) -> Drafter:
+        """The drafter an export of this kind holds; refuses a corrupted export by name."""
+
+    @abstractmethod
+    def probe_logits(self, seed: int) -> Tensor:
+        """Logits on a small input drawn from `seed` and the config alone (the same for every
+        drafter of one config), so an export's round trip compares like with like."""

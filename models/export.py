@@ -1,20 +1,10 @@
-"""Export a drafter for serving: vLLM's native EAGLE-3 layout and the speculators layout.
+"""Export any drafter kind for serving, and read an export back.
 
-Key names verified against vLLM (vllm/model_executor/models/llama_eagle3.py: `midlayer.` ->
-`layers.0.`, `d2t` -> draft_id_to_target_id, `t2d` skipped, `target_hidden_size`, `draft_vocab_size`,
-`eagle_config.use_aux_hidden_state`; vllm/v1/worker/gpu_model_runner.py
-`_get_eagle3_aux_layers_from_config`: `eagle_aux_hidden_state_layer_ids` at the top level, then under
-`eagle_config`; vllm/transformers_utils/configs/speculators/{base,algos}.py: `speculators_model_type`,
-`speculators_config.proposal_methods[0].speculative_tokens`, `speculators_config.verifier.name_or_path`,
-`transformer_layer_config`, and `norm_before_residual` defaulting to TRUE when absent) and the
-speculators repo (src/speculators/models/eagle3/config.py, convert/eagle/eagle3_converter.py).
-
-Every known way an export loads but accepts nothing is checked before anything is written:
-aux-layer ids missing, out of the HF/vLLM range, out of order or repeated, a broken vocab map, an
-fc sized for another target, a foreign embedding, a short-context or different rope, a target
-family vLLM's EAGLE-3 refuses. The speculators export carries its own `embed_tokens.weight`
-(the target's), so no loader has to be trusted to copy it from the verifier; the native export
-leaves it out, as vLLM shares the target's.
+Each kind writes its own formats (`Drafter.export_formats`; EAGLE-3's in models/eagle3/export.py)
+and checks its invariants before a file is written. Every export records its provenance, the
+drafter kind included, under `PROVENANCE_KEY` in its config.json, so `read_export` knows which
+kind reads it back; the round trip (`round_trip_diff`) then compares the exported drafter's logits
+with the trained one's on a fixed probe input.
 """
 
 from __future__ import annotations
@@ -26,30 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from models.eagle3.drafter import Eagle3Drafter
-from models.eagle3.model import Eagle3Config
-from models.layers import rope_parameters_of
-from models.target import check_aux_layer_ids
-from models.vocab import DraftVocab
+from models.drafter import Drafter
+from models.drafters import drafter_class
 
-NATIVE_ARCHITECTURE = "LlamaForCausalLMEagle3"
-SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 PROVENANCE_KEY = "opd_pipeline"
-EMBED_KEY = "embed_tokens.weight"
-# vLLM's EAGLE-3 target families (vllm/config/speculative.py), matched as substrings of the
-# target's model_type as vLLM does; any other target is refused when vLLM starts.
-VLLM_EAGLE3_TARGET_FAMILIES = (
-    "llama",
-    "qwen",
-    "minicpm",
-    "gpt_oss",
-    "hunyuan_vl",
-    "hunyuan_v1_dense",
-    "afmoe",
-)
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
@@ -58,352 +30,65 @@ class ExportError(ValueError):
     """An export (or an exported directory) violates an invariant vLLM silently depends on."""
 
 
-def _as_dict(target_config: Any) -> dict[str, Any]:
-    return target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
-
-
-def check_export_invariants(
-    drafter: Eagle3Drafter,
+def write_export(
+    drafter: Drafter,
+    fmt: str,
+    out_dir: str | os.PathLike,
+    *,
     target_config: Any,
-    target_embed_weight: Tensor | None = None,
-) -> None:
-    """Raise ExportError naming the first violated invariant between `drafter` and its target."""
-    target = _as_dict(target_config)
-    cfg = drafter.config
-    num_layers, hidden, vocab_size = (
-        target["num_hidden_layers"],
-        target["hidden_size"],
-        target["vocab_size"],
+    target_identity: Mapping[str, Any] | None,
+    target_embed_weight: Tensor,
+    speculative_tokens: int,
+    verifier: str | None = None,
+) -> Path:
+    """Write `drafter` as `fmt` (one of its kind's `export_formats`) into `out_dir`."""
+    if fmt not in drafter.export_formats:
+        raise ExportError(
+            f"a {drafter.kind} drafter exports as {' or '.join(drafter.export_formats)}, not {fmt!r}"
+        )
+    return drafter.write_export(
+        fmt,
+        Path(out_dir),
+        target_config=target_config,
+        target_identity=target_identity,
+        target_embed_weight=target_embed_weight,
+        speculative_tokens=speculative_tokens,
+        verifier=verifier,
     )
+
+
+def exported_kind(export_dir: str | os.PathLike) -> str:
+    """The drafter kind an export records (exports from before kinds existed are EAGLE-3)."""
+    path = Path(export_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ExportError(f"{path} not found: not an export directory")
     try:
-        check_aux_layer_ids(cfg.aux_layer_ids, num_layers)
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{path} is not readable JSON ({err}); re-export the drafter") from None
+    provenance = config.get(PROVENANCE_KEY) if isinstance(config, dict) else None
+    kind = (provenance or {}).get("drafter_kind", "eagle3")
+    if not isinstance(kind, str):
+        raise ExportError(f"{path}: {PROVENANCE_KEY}.drafter_kind is {kind!r}, not a kind name")
+    return kind
+
+
+def read_export(export_dir: str | os.PathLike, embed_weight: Tensor | None) -> Drafter:
+    """The drafter an export holds, read by the kind it records (refusing a broken export)."""
+    kind = exported_kind(export_dir)
+    try:
+        cls = drafter_class(kind)
     except ValueError as err:
-        raise ExportError(f"aux layer ids: {err}") from None
-    if cfg.target_num_layers != num_layers:
-        raise ExportError(
-            f"aux layer ids: the drafter was built for a {cfg.target_num_layers}-layer target, this one has {num_layers}"
-        )
-    try:
-        vocab = DraftVocab(drafter.d2t, drafter.t2d)
-    except ValueError as err:
-        raise ExportError(f"draft vocab map: {err}") from None
-    if vocab.vocab_size != vocab_size or vocab.draft_vocab_size != cfg.draft_vocab_size:
-        raise ExportError(
-            f"draft vocab map: t2d covers {vocab.vocab_size} target ids and d2t {vocab.draft_vocab_size} draft ids; "
-            f"expected the target's {vocab_size} and draft_vocab_size {cfg.draft_vocab_size}"
-        )
-    if tuple(drafter.lm_head.weight.shape) != (cfg.draft_vocab_size, cfg.hidden_size):
-        raise ExportError(
-            f"lm_head is {tuple(drafter.lm_head.weight.shape)}, expected [{cfg.draft_vocab_size}, {cfg.hidden_size}]"
-        )
-    if tuple(drafter.fc.weight.shape) != (cfg.hidden_size, 3 * hidden):
-        raise ExportError(
-            f"fc input: fc.weight is {tuple(drafter.fc.weight.shape)} but the target's hidden size {hidden} "
-            f"needs [{cfg.hidden_size}, {3 * hidden}] (3 * H_target inputs)"
-        )
-    if cfg.hidden_size != hidden:
-        raise ExportError(
-            f"embedding: the drafter's hidden size {cfg.hidden_size} differs from the target's {hidden}; "
-            "vLLM feeds the target's embeddings to the drafter"
-        )
-    embed = drafter.embed_tokens.weight
-    if tuple(embed.shape) != (vocab_size, hidden):
-        raise ExportError(
-            f"embedding: the drafter's embedding is {tuple(embed.shape)}, the target's is [{vocab_size}, {hidden}]"
-        )
-    if target_embed_weight is not None and not torch.equal(
-        embed.detach().cpu(), target_embed_weight.detach().cpu()
-    ):
-        raise ExportError(
-            "embedding: the drafter's embedding is not the target's own (trained against another checkpoint?); "
-            "vLLM will use the target's embedding"
-        )
-    model_type = str(target.get("model_type", ""))
-    if not any(family in model_type for family in VLLM_EAGLE3_TARGET_FAMILIES):
-        raise ExportError(
-            f"target family: vLLM's EAGLE-3 refuses {model_type or 'unknown'!r} targets at start-up; "
-            f"it supports {', '.join(VLLM_EAGLE3_TARGET_FAMILIES)}: train the drafter for one of those"
-        )
-    rope = rope_parameters_of(target)
-    if cfg.rope_parameters != rope:
-        raise ExportError(
-            f"rope: the drafter uses {cfg.rope_parameters}, the target {rope}; copy the target's rope"
-        )
-    if cfg.max_position_embeddings != target["max_position_embeddings"]:
-        raise ExportError(
-            f"max positions: the drafter has {cfg.max_position_embeddings}, the target "
-            f"{target['max_position_embeddings']}; a shorter drafter context caps vLLM's context or drafts badly"
-        )
+        raise ExportError(f"{export_dir}: {err}") from None
+    return cls.read_export(Path(export_dir), embed_weight)
 
 
-def _layer_config(cfg: Eagle3Config) -> dict[str, Any]:
-    """The Llama decoder-layer fields vLLM reads, rope in both the transformers-4 and -5 spellings."""
-    rope = dict(cfg.rope_parameters)
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": rope["rope_theta"],
-        "rope_scaling": scaling if scaling.get("rope_type", "default") != "default" else None,
-        "rope_parameters": rope,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-    }
-
-
-def _provenance(cfg: Eagle3Config, target_identity: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {
-        "format_version": 1,
-        "drafter_kind": Eagle3Drafter.kind,
-        "target_num_hidden_layers": cfg.target_num_layers,
-        "target": dict(target_identity) if target_identity else None,
-    }
-
-
-def _dtype_name(t: Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _write(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str, Tensor]) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, write in (
-        (WEIGHTS_FILE, lambda p: save_file(tensors, str(p))),
-        (CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True))),
-    ):
-        tmp = out / f"{name}.tmp"
-        write(tmp)
-        os.replace(tmp, out / name)
-    return out
-
-
-def _export_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None) -> dict[str, Tensor]:
-    tensors = drafter.tensors()
-    return {
-        name: t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        for name, t in tensors.items()
-    }
-
-
-def export_eagle3(
-    drafter: Eagle3Drafter,
-    target_config: Any,
-    out_dir: str | os.PathLike,
-    *,
-    target_identity: Mapping[str, Any] | None = None,
-    target_embed_weight: Tensor | None = None,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Write vLLM's native EAGLE-3 directory (architectures ["LlamaForCausalLMEagle3"]).
-
-    Tensors: fc.weight, midlayer.*, norm.weight, lm_head.weight [Vd, H], d2t int64, t2d bool; no
-    embed_tokens (vLLM shares the target's). `target_config` is the target's HF config (or its dict).
-    """
-    check_export_invariants(drafter, target_config, target_embed_weight)
-    cfg = drafter.config
-    tensors = _export_tensors(drafter, dtype)
-    aux = list(cfg.aux_layer_ids)
-    config = {
-        **_layer_config(cfg),
-        "architectures": [NATIVE_ARCHITECTURE],
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": aux,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
-        "torch_dtype": _dtype_name(tensors["fc.weight"]),
-        PROVENANCE_KEY: _provenance(cfg, target_identity),
-    }
-    return _write(out_dir, config, tensors)
-
-
-def export_speculators(
-    drafter: Eagle3Drafter,
-    target_config: Any,
-    out_dir: str | os.PathLike,
-    *,
-    verifier_name_or_path: str,
-    speculative_tokens: int = 3,
-    target_identity: Mapping[str, Any] | None = None,
-    target_embed_weight: Tensor | None = None,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Write the speculators-format directory (speculators_model_type "eagle3", tensors `layers.0.*`).
-
-    Self-contained: `embed_tokens.weight` is the target's embedding (checked equal to
-    `target_embed_weight` when given). `norm_before_residual: false` is written explicitly: vLLM's
-    speculators loader defaults it to true.
-    """
-    if speculative_tokens < 1:
-        raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
-    check_export_invariants(drafter, target_config, target_embed_weight)
-    target = _as_dict(target_config)
-    cfg = drafter.config
-    tensors = {
-        name.replace("midlayer.", "layers.0.", 1): t
-        for name, t in _export_tensors(drafter, dtype).items()
-    }
-    embed = drafter.embed_tokens.weight.detach().contiguous()
-    tensors[EMBED_KEY] = embed.to(dtype) if dtype is not None else embed
-    config = {
-        "architectures": [SPECULATORS_ARCHITECTURE],
-        "speculators_model_type": "eagle3",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": speculative_tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": verifier_name_or_path,
-                "architectures": list(target.get("architectures") or []),
-            },
-        },
-        "transformer_layer_config": _layer_config(cfg),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "embed_requires_grad": False,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        "torch_dtype": _dtype_name(tensors["fc.weight"]),
-        PROVENANCE_KEY: _provenance(cfg, target_identity),
-    }
-    return _write(out_dir, config, tensors)
-
-
-def _aux_ids(config: dict[str, Any], speculators: bool, source: str) -> list[int]:
-    top = config.get("eagle_aux_hidden_state_layer_ids")
-    if speculators:
-        ids = top
-    else:
-        nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if top is not None and nested is not None and list(top) != list(nested):
-            raise ExportError(
-                f"{source}: aux layer ids differ between the top level {top} and eagle_config {nested}"
-            )
-        ids = top if top is not None else nested
-    if not ids:
-        raise ExportError(
-            f"{source}: eagle_aux_hidden_state_layer_ids is missing; vLLM would silently pick its default layers"
-        )
-    return [int(i) for i in ids]
-
-
-def load_export(export_dir: str | os.PathLike, embed_weight: Tensor | None = None) -> Eagle3Drafter:
-    """Read a native or speculators EAGLE-3 export back into an Eagle3Drafter.
-
-    A speculators export runs on the embedding it carries (as a loader that does not copy the
-    verifier's would); `embed_weight`, when given, must equal it. A native export has none and
-    runs on `embed_weight`, the target's. Refuses a corrupted export (missing d2t/t2d, missing,
-    out-of-range or unordered aux ids, inconsistent t2d, norm_before_residual true, a missing or
-    foreign embed_tokens, wrong tensor set or shapes).
-    """
-    export_dir = Path(export_dir)
-    source = str(export_dir)
-    config_path, weights_path = export_dir / CONFIG_FILE, export_dir / WEIGHTS_FILE
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise ExportError(f"{path} not found: not an EAGLE-3 export directory")
-    config = json.loads(config_path.read_text())
-    speculators = "speculators_model_type" in config
-    if speculators:
-        if config["speculators_model_type"] != "eagle3":
-            raise ExportError(
-                f"{source}: speculators_model_type is {config['speculators_model_type']!r}, not 'eagle3'"
-            )
-        layer = config.get("transformer_layer_config")
-        if not isinstance(layer, dict):
-            raise ExportError(f"{source}: transformer_layer_config is missing")
-        if "norm_before_residual" not in config:
-            raise ExportError(
-                f"{source}: norm_before_residual is missing; vLLM's speculators loader would assume true"
-            )
-    else:
-        if NATIVE_ARCHITECTURE not in (config.get("architectures") or []):
-            raise ExportError(
-                f"{source}: architectures {config.get('architectures')} is neither native EAGLE-3 nor speculators"
-            )
-        layer = config
-    if config.get("norm_before_residual", False):
-        raise ExportError(
-            f"{source}: norm_before_residual is true; this drafter computes the residual before hidden_norm"
-        )
-    num_layers = (config.get(PROVENANCE_KEY) or {}).get("target_num_hidden_layers")
-    if num_layers is None:
-        raise ExportError(
-            f"{source}: {PROVENANCE_KEY}.target_num_hidden_layers is missing; aux ids cannot be range-checked"
-        )
-    aux = _aux_ids(config, speculators, source)
-    try:
-        check_aux_layer_ids(aux, num_layers)
-    except ValueError as err:
-        raise ExportError(f"{source}: {err}") from None
-    try:
-        drafter_config = Eagle3Config(
-            hidden_size=layer["hidden_size"],
-            target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
-            intermediate_size=layer["intermediate_size"],
-            num_attention_heads=layer["num_attention_heads"],
-            num_key_value_heads=layer["num_key_value_heads"],
-            head_dim=layer["head_dim"],
-            rms_norm_eps=layer["rms_norm_eps"],
-            rope_parameters=rope_parameters_of(layer),
-            max_position_embeddings=layer["max_position_embeddings"],
-            vocab_size=layer["vocab_size"],
-            draft_vocab_size=config["draft_vocab_size"],
-            aux_layer_ids=tuple(aux),
-            target_num_layers=num_layers,
-            hidden_act=layer.get("hidden_act", "silu"),
-        )
-    except KeyError as err:
-        raise ExportError(f"{source}: config key {err} is missing") from None
-    shape = (drafter_config.vocab_size, drafter_config.hidden_size)
-    if embed_weight is not None and tuple(embed_weight.shape) != shape:
-        raise ExportError(
-            f"{source}: exported for a target with vocab {drafter_config.vocab_size} and hidden size "
-            f"{drafter_config.hidden_size}, but the given embedding is {tuple(embed_weight.shape)}"
-        )
-    tensors = load_file(str(weights_path))
-    if speculators:
-        tensors = {name.replace("layers.0.", "midlayer.", 1): t for name, t in tensors.items()}
-    embed = tensors.pop(EMBED_KEY, None)
-    if embed is not None and embed_weight is not None:
-        if not torch.equal(embed.to(embed_weight.dtype), embed_weight.detach().cpu()):
-            raise ExportError(
-                f"{source}: holds an embed_tokens that is not the target's; vLLM would serve with it"
-            )
-    if speculators:
-        if embed is None:
-            raise ExportError(
-                f"{source}: {EMBED_KEY} is missing; a speculators export must carry the target's "
-                "embedding (re-export it)"
-            )
-        if tuple(embed.shape) != shape:
-            raise ExportError(f"{source}: {EMBED_KEY} is {tuple(embed.shape)}, expected {shape}")
-        embed_weight = embed
-    elif embed_weight is None:
-        raise ExportError(
-            f"{source}: a native EAGLE-3 export has no embedding; pass the target's embedding"
-        )
-    try:
-        return Eagle3Drafter.from_tensors(drafter_config.to_dict(), embed_weight, tensors, source)
-    except ValueError as err:
-        raise ExportError(str(err)) from None
+@torch.no_grad()
+def round_trip_diff(drafter: Drafter, export_dir: str | os.PathLike, embed_weight: Tensor) -> float:
+    """Max abs logit difference between `drafter` and its export read back, on the kind's fixed
+    probe input (0.0: the export serves the trained weights exactly)."""
+    back = read_export(export_dir, embed_weight).eval()
+    if type(back) is not type(drafter):
+        raise ExportError(f"{export_dir} holds a {back.kind} drafter, not a {drafter.kind} one")
+    a, b = drafter.probe_logits(seed=0).float(), back.probe_logits(seed=0).float()
+    return float((a - b).abs().max())

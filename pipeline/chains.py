@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline import stages
-from pipeline.config import StrictConfig
+from pipeline.core.config import StrictConfig
+from pipeline.core.runner import RunContext, StageResult, run_stage
+from pipeline.core.stage import Stage
 from pipeline.profiles import PipelineConfig
-from pipeline.runner import RunContext, StageResult, run_stage
-from pipeline.stage import Stage
 from storage import Dataset, OpdError
 
 log = logging.getLogger("opd")

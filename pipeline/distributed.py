@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.chains import Step, run_chain
-from pipeline.runner import RunContext, StageResult, planned_ref, run_stage
-from pipeline.targets import TargetConfig, TargetLoader
+from pipeline.core.runner import RunContext, StageResult, planned_ref, run_stage
+from pipeline.core.targets import TargetConfig, TargetLoader
 from storage import Dataset, OpdError, Store
 
 log = logging.getLogger("opd")

@@ -16,16 +16,13 @@ import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
 
-import torch
-
-from models.export import CONFIG_FILE, ExportError, export_eagle3, export_speculators, load_export
-from pipeline.drafters import load_drafter_dataset
-from pipeline.targets import EMBEDDED_TARGET, TargetLoader
+from models.drafters import drafter_class
+from models.export import CONFIG_FILE, ExportError, round_trip_diff, write_export
+from pipeline.core.drafters import drafter_kind, load_drafter_dataset
+from pipeline.core.targets import EMBEDDED_TARGET, TargetLoader
 from storage import Dataset, OpdError
 
-Format = Literal["eagle3", "speculators"]
 # A hub id (`org/name`) as opposed to a filesystem path.
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -72,8 +69,8 @@ TREE_NOTE = (
 )
 
 
-def vllm_command(target_dir: str, export_dir: Path, k: int) -> str:
-    spec = {"method": "eagle3", "model": str(export_dir.resolve()), "num_speculative_tokens": k}
+def vllm_command(target_dir: str, export_dir: Path, k: int, method: str) -> str:
+    spec = {"method": method, "model": str(export_dir.resolve()), "num_speculative_tokens": k}
     return (
         f"vllm serve {shlex.quote(target_dir)} --speculative-config {shlex.quote(json.dumps(spec))}"
     )
@@ -124,26 +121,10 @@ def staged_out_dir(out: Path, *, overwrite: bool, protected: Sequence[Path]) -> 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-@torch.no_grad()
-def _round_trip(drafter, out: Path, embed: torch.Tensor | None) -> float:
-    """Max abs logit difference between the module and its reloaded export on a fixed input.
-
-    `embed` None: the export must run on the embedding it carries (speculators)."""
-    back = load_export(out, embed).eval()
-    g = torch.Generator().manual_seed(0)
-    cfg = drafter.config
-    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)
-    aux = torch.randn(2, 9, 3 * cfg.target_hidden_size, generator=g)
-    pos = torch.arange(9).expand(2, 9)
-    a, _ = drafter(ids, drafter.fuse(aux), pos)
-    b, _ = back(ids, back.fuse(aux), pos)
-    return float((a - b).abs().max())
-
-
 def export_drafter(
     drafter_ds: Dataset,
     loader: TargetLoader,
-    fmt: Format,
+    fmt: str | None,
     out: Path,
     k: int,
     *,
@@ -155,8 +136,12 @@ def export_drafter(
     export reloads to identical logits (see `staged_out_dir` for what `out` may be)."""
     if k < 1:
         raise OpdError(f"--k must be >= 1 (tokens drafted per step), got {k}")
-    if fmt not in ("eagle3", "speculators"):
-        raise OpdError(f"unknown export format {fmt!r}; use eagle3 or speculators")
+    formats = drafter_class(drafter_kind(drafter_ds)).export_formats
+    fmt = fmt or formats[0]
+    if fmt not in formats:
+        raise OpdError(
+            f"{drafter_ds.ref} exports as {' or '.join(formats)}, not {fmt!r}: pick one with --format"
+        )
     warnings = []
     if fmt == "speculators" and verifier is None:
         verifier, warning = default_verifier(loader)
@@ -167,25 +152,17 @@ def export_drafter(
         target = loader.target
         drafter = load_drafter_dataset(drafter_ds, target, loader.identity)
         try:
-            if fmt == "eagle3":
-                export_eagle3(
-                    drafter,
-                    target.config,
-                    staging,
-                    target_identity=loader.identity,
-                    target_embed_weight=target.embed_weight,
-                )
-            else:
-                export_speculators(
-                    drafter,
-                    target.config,
-                    staging,
-                    verifier_name_or_path=verifier,
-                    speculative_tokens=k,
-                    target_identity=loader.identity,
-                    target_embed_weight=target.embed_weight,
-                )
-            diff = _round_trip(drafter, staging, target.embed_weight if fmt == "eagle3" else None)
+            write_export(
+                drafter,
+                fmt,
+                staging,
+                target_config=target.config,
+                target_identity=loader.identity,
+                target_embed_weight=target.embed_weight,
+                speculative_tokens=k,
+                verifier=verifier,
+            )
+            diff = round_trip_diff(drafter, staging, target.embed_weight)
         except ExportError as e:
             raise OpdError(f"export of {drafter_ds.ref} refused: {e}") from None
         if diff != 0.0:
@@ -198,16 +175,16 @@ def export_drafter(
         "format": fmt,
         "path": str(path),
         "max_logit_diff": diff,
-        "vllm_command": vllm_command(_serve_dir(loader), path, k),
+        "vllm_command": vllm_command(_serve_dir(loader), path, k, drafter.serve_method),
         "tree_note": TREE_NOTE,
         "warnings": warnings,
     }
 
 
 def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int) -> dict | None:
-    """The `export` step of the full chain: the last drafter a chain produced, in both formats,
-    under <root>/_exports/<NAME@VERSION>/ (replaced when the chain runs again). Returns the
-    eagle3 export's info (None: no drafter)."""
+    """The `export` step of the full chain: the last drafter a chain produced, in every format
+    of its kind, under <root>/_exports/<NAME-VERSION>/<format> (replaced when the chain runs
+    again). Returns the first format's info plus `formats` (None: no drafter)."""
     drafters = [
         r.dataset
         for r in results.values()
@@ -217,16 +194,18 @@ def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int)
         return None
     last = drafters[-1]
     base = root / "_exports" / str(last.ref).replace("@", "-")
-    info = export_drafter(last, loader, "eagle3", base / "eagle3", k, overwrite=True)
-    export_drafter(last, loader, "speculators", base / "speculators", k, overwrite=True)
-    return info
+    formats = drafter_class(drafter_kind(last)).export_formats
+    infos = [export_drafter(last, loader, f, base / f, k, overwrite=True) for f in formats]
+    return infos[0] | {"formats": list(formats)}
 
 
 def ensure_export(
-    drafter_ds: Dataset, loader: TargetLoader, root: Path, k: int, fmt: Format = "eagle3"
+    drafter_ds: Dataset, loader: TargetLoader, root: Path, k: int, fmt: str | None = None
 ) -> Path:
-    """The drafter's export under <root>/_exports/<NAME-VERSION>/<fmt> (the full chain's place),
-    written now unless a complete one is there (its config.json is written last)."""
+    """The drafter's export under <root>/_exports/<NAME-VERSION>/<fmt> (the full chain's place;
+    `fmt` None: its kind's first format), written now unless a complete one is there (its
+    config.json is written last)."""
+    fmt = fmt or drafter_class(drafter_kind(drafter_ds)).export_formats[0]
     path = root / "_exports" / str(drafter_ds.ref).replace("@", "-") / fmt
     if not (path / CONFIG_FILE).exists():
         export_drafter(drafter_ds, loader, fmt, path, k)

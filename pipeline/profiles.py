@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
-from pipeline.config import DraftTree, StrictConfig, optional_field
+from pipeline.core.config import DraftTree, StrictConfig, optional_field
+from pipeline.core.targets import TargetConfig
 from pipeline.stages import STAGES
-from pipeline.targets import TargetConfig
 from storage import OpdError
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"

@@ -18,6 +18,23 @@ def _imports(source: str) -> set[str]:
     return names
 
 
+def _modules(source: str) -> set[str]:
+    """Full names of the modules a source imports (`from a import b` counts a.b too: b may be
+    a module)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def _under(names: set[str], *prefixes: str) -> set[str]:
+    return {n for n in names for p in prefixes if n == p or n.startswith(p + ".")}
+
+
 def _files(*packages: str) -> list[Path]:
     return [p for pkg in packages for p in (REPO / pkg).rglob("*.py")]
 
@@ -25,6 +42,47 @@ def _files(*packages: str) -> list[Path]:
 def test_the_import_check_sees_every_form():
     src = "import flows.pipeline\nfrom cli import main\nfrom . import sibling\n"
     assert _imports(src) == {"flows", "cli"}
+
+
+def test_the_module_check_sees_submodules():
+    src = "from pipeline.stages import sft\nimport pipeline.core.config\n"
+    names = _modules(src)
+    assert _under(names, "pipeline.stages") == {"pipeline.stages", "pipeline.stages.sft"}
+    assert _under(names, "pipeline.core") == {"pipeline.core.config"}
+
+
+def test_no_stage_imports_another_stage():
+    # Code two stages need lives in pipeline/core; a stage reads another's output, never its code.
+    for p in (REPO / "pipeline" / "stages").glob("*.py"):
+        if p.name == "__init__.py":
+            continue
+        bad = _under(_modules(p.read_text()), "pipeline.stages") - {f"pipeline.stages.{p.stem}"}
+        assert not bad, f"{p.relative_to(REPO)} imports stage code {sorted(bad)}"
+
+
+def test_core_imports_nothing_above_it():
+    above = ("pipeline.stages", "pipeline.experiments", "pipeline.chains", "pipeline.profiles")
+    above += ("pipeline.distributed", "pipeline.export")
+    for p in _files("pipeline/core"):
+        bad = _under(_modules(p.read_text()), *above)
+        assert not bad, f"{p.relative_to(REPO)} imports {sorted(bad)}"
+
+
+def test_drafter_kinds_are_reached_only_through_the_interface():
+    # A new kind is a package in models/ plus its line in models.drafters.KINDS: nothing else
+    # names a kind's modules, so no stage, command or benchmark has to change for it.
+    from models.drafters import KINDS
+
+    kinds = tuple(f"models.{kind}" for kind in KINDS)
+    for p in _files("pipeline", "cli", "flows", "benchmarks", "storage"):
+        bad = _under(_modules(p.read_text()), *kinds)
+        assert not bad, f"{p.relative_to(REPO)} imports a drafter kind's module {sorted(bad)}"
+    for p in _files("models"):
+        inside = p.relative_to(REPO / "models").parts[0]
+        if p.name == "drafters.py" or inside in KINDS:
+            continue
+        bad = _under(_modules(p.read_text()), *kinds)
+        assert not bad, f"{p.relative_to(REPO)} imports a drafter kind's module {sorted(bad)}"
 
 
 def test_only_flows_import_prefect():

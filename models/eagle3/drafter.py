@@ -4,6 +4,7 @@ interface (its proposals in propose.py, its training forwards in train.py)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from models.vocab import DraftVocab
 class Eagle3Drafter(Eagle3Model, Drafter):
     kind = "eagle3"
     export_formats = ("eagle3", "speculators")
+    serve_method = "eagle3"
 
     # -- building -------------------------------------------------------------------------
 
@@ -185,3 +187,56 @@ class Eagle3Drafter(Eagle3Model, Drafter):
         self, out: Unrolled, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
     ) -> Tensor:
         return rollout_ce_loss(out, teacher, item, anchor, decay)
+
+    # -- serving --------------------------------------------------------------------------
+
+    def write_export(
+        self,
+        fmt: str,
+        out_dir: Path,
+        *,
+        target_config: Any,
+        target_identity: Mapping[str, Any] | None,
+        target_embed_weight: Tensor,
+        speculative_tokens: int,
+        verifier: str | None,
+    ) -> Path:
+        # export.py builds Eagle3Drafters when it reads one back: imported here, not at the top.
+        from models.eagle3.export import export_eagle3, export_speculators
+
+        if fmt == "eagle3":
+            return export_eagle3(
+                self,
+                target_config,
+                out_dir,
+                target_identity=target_identity,
+                target_embed_weight=target_embed_weight,
+            )
+        if verifier is None:
+            raise ValueError("a speculators export names its verifier: pass verifier")
+        return export_speculators(
+            self,
+            target_config,
+            out_dir,
+            verifier_name_or_path=verifier,
+            speculative_tokens=speculative_tokens,
+            target_identity=target_identity,
+            target_embed_weight=target_embed_weight,
+        )
+
+    @classmethod
+    def read_export(cls, export_dir: Path, embed_weight: Tensor | None) -> Eagle3Drafter:
+        from models.eagle3.export import load_export
+
+        return load_export(export_dir, embed_weight)
+
+    @torch.no_grad()
+    def probe_logits(self, seed: int) -> Tensor:
+        g = torch.Generator().manual_seed(seed)
+        cfg = self.config
+        ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)  # [B, T]
+        aux = torch.randn(2, 9, 3 * cfg.target_hidden_size, generator=g)  # [B, T, 3*H_t]
+        pos = torch.arange(9).expand(2, 9)
+        device = self.fc.weight.device
+        logits, _ = self(ids.to(device), self.fuse(aux.to(device)), pos.to(device))
+        return logits  # [B, T, Vd]

@@ -49,7 +49,7 @@ METADATA_FILE = "opd_target.json"
 class TrainConfig(BaseModel):
     """Everything that changes the trained target. The committed model used the defaults.
 
-    Strict like `pipeline.config.StrictConfig` (models/ may not import pipeline/): a mistyped
+    Strict like `pipeline.core.config.StrictConfig` (models/ may not import pipeline/): a mistyped
     key is an error, never a silent default.
     """
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.chains import CHAINS, run_chain
+from pipeline.core.runner import RunContext, StageResult, run_stage
+from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
-from pipeline.runner import RunContext, StageResult, run_stage
-from pipeline.targets import TargetLoader
 from storage import Dataset, Store
 from tests.faults.inject import instrument
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pipeline import training
+from pipeline.core import training
 from storage.store import DatasetWriter
 
 Hook = Callable[[str], str | None]

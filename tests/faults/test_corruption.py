@@ -7,10 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
-from pipeline.targets import EMBEDDED_TARGET, TargetConfig, TargetLoader
+from pipeline.core.targets import EMBEDDED_TARGET, TargetConfig, TargetLoader
 from storage import OpdError, Store
 from tests.faults.conftest import opd_args, sums
-from tests.pipeline.test_training import flip_tensor_byte
+from tests.pipeline.core.test_training import flip_tensor_byte
 
 
 def flip(path: Path) -> None:

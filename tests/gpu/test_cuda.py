@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from models.vocab import DraftVocab
-from pipeline import features, generate, sft, training
-from pipeline.checks import vocab_of
+from pipeline.core import featurize, training, validation
+from pipeline.core.checks import vocab_of
+from pipeline.core.runner import RunContext, run_stage
+from pipeline.core.targets import TargetConfig, TargetLoader, resolve_dtype
 from pipeline.profiles import load_config
-from pipeline.runner import RunContext, run_stage
-from pipeline.targets import TargetConfig, TargetLoader, resolve_dtype
+from pipeline.stages import features, generate, sft
 from storage import Store
 from tests.pipeline.conftest import write_prompts
 
@@ -44,8 +45,8 @@ def test_auto_dtype_is_bf16_and_the_target_lands_on_the_gpu():
 def test_features_on_cuda_equal_the_cpu_within_bf16(cpu_and_cuda):
     cfg, cpu, cuda, traj = cpu_and_cuda
     seqs = [r["input_ids"] for r in traj.read_table().select(["input_ids"]).to_pylist()[:6]]
-    aux_cpu, last_cpu = features.forward_batch(cpu.target_loader.target, seqs)
-    aux_gpu, last_gpu = features.forward_batch(cuda.target_loader.target, seqs)
+    aux_cpu, last_cpu = featurize.forward_batch(cpu.target_loader.target, seqs)
+    aux_gpu, last_gpu = featurize.forward_batch(cuda.target_loader.target, seqs)
     assert aux_gpu.device.type == "cpu"  # written from host memory
     # both are stored in bf16: one bf16 rounding step apart at most, plus fp32 kernel noise
     torch.testing.assert_close(aux_gpu.float(), aux_cpu.float(), rtol=1.6e-2, atol=1e-2)
@@ -65,7 +66,7 @@ def test_one_sft_step_on_cuda_equals_the_cpu(cpu_and_cuda):
     feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, cpu).dataset
     v = vocab_of(feats)
     vocab = DraftVocab(v["d2t"], v["t2d"])
-    index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
     batch = index.collate(list(range(4)))
     sft_cfg = cfg.sft.model_copy(update={"bf16": False})
     losses, grads = [], []
@@ -86,7 +87,7 @@ def test_one_sft_step_on_cuda_equals_the_cpu(cpu_and_cuda):
 def test_feature_batches_are_pinned_for_the_gpu(cpu_and_cuda):
     cfg, cpu, cuda, traj = cpu_and_cuda
     feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, cpu).dataset
-    index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
     loader = training.FeatureLoader(index, range(4), batch_size=2, max_tokens=4096, pin_memory=True)
     batch = next(iter(loader.iterate(0)))
     assert all(t.is_pinned() for t in batch.columns.values())

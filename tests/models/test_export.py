@@ -10,13 +10,13 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from models.eagle3.drafter import Eagle3Drafter
-from models.eagle3.model import Eagle3Config
-from models.export import (
+from models.eagle3.export import (
     ExportError,
     export_eagle3,
     export_speculators,
     load_export,
 )
+from models.eagle3.model import Eagle3Config
 from models.vocab import DraftVocab
 
 LAYER_TENSORS = [

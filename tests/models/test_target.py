@@ -324,7 +324,7 @@ def test_a_corrupted_weights_file_is_named(tmp_path: Path, damage):
 
 
 def test_target_config_refuses_unordered_or_repeated_aux_ids():
-    from pipeline.targets import TargetConfig
+    from pipeline.core.targets import TargetConfig
 
     for ids in ([5, 1, 3], [3, 3, 5], [0, 2, 4]):
         with pytest.raises(ValueError, match="strictly increasing and >= 1"):

@@ -5,9 +5,9 @@ import hashlib
 import pyarrow as pa
 import pytest
 
+from pipeline.core.runner import RunContext
+from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
-from pipeline.runner import RunContext
-from pipeline.targets import TargetLoader
 from storage import Store
 
 PROMPTS_SCHEMA = pa.schema(

@@ -6,12 +6,18 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import cli
-from pipeline import generate
-from pipeline.config import StrictConfig
+from pipeline.core.config import StrictConfig
+from pipeline.core.runner import RunContext, planned_ref, run_stage
+from pipeline.core.stage import Stage
+from pipeline.core.targets import (
+    TargetConfig,
+    TargetLoader,
+    resolve_device,
+    resolve_dtype,
+    target_spec,
+)
 from pipeline.profiles import load_config
-from pipeline.runner import RunContext, planned_ref, run_stage
-from pipeline.stage import Stage
-from pipeline.targets import TargetConfig, TargetLoader, resolve_device, resolve_dtype, target_spec
+from pipeline.stages import generate
 from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
 

@@ -17,10 +17,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from cli.main import cli
-from pipeline import drafters, features, generate, rollout, score, sft, training
+from pipeline.core import drafters, training
+from pipeline.core.runner import RunContext, planned_ref, run_stage
+from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
-from pipeline.runner import RunContext, planned_ref, run_stage
-from pipeline.targets import TargetLoader
+from pipeline.stages import features, generate, rollout, score, sft
 from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
 

@@ -12,11 +12,17 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
-from pipeline import features, generate, sft
+from pipeline.core.runner import RunContext, run_stage
+from pipeline.core.targets import (
+    EMBEDDED_TARGET,
+    TargetConfig,
+    TargetLoader,
+    target_for,
+    target_spec,
+)
 from pipeline.export import default_verifier
 from pipeline.profiles import load_config
-from pipeline.runner import RunContext, run_stage
-from pipeline.targets import EMBEDDED_TARGET, TargetConfig, TargetLoader, target_for, target_spec
+from pipeline.stages import features, generate, sft
 from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-from pipeline import chains, opd, rollout, score
+from pipeline import chains
 from pipeline.profiles import load_config
+from pipeline.stages import opd, rollout, score
 from storage import OpdError
 
 ROUND_KEYS = ["rollout-r1", "score-r1", "opd-r1", "rollout-r2", "score-r2", "opd-r2"]

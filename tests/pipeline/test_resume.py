@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import features, generate
-from pipeline.runner import run_stage
+from pipeline.core.runner import run_stage
+from pipeline.stages import features, generate
 from storage import Store
 
 SETS = ["--set", "features.rows_per_shard=1", "--set", "features.batch_size=1"]

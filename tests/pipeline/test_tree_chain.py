@@ -5,11 +5,12 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline import chains, evaluate, rollout
-from pipeline.config import version_dict
+from pipeline import chains
+from pipeline.core.config import version_dict
+from pipeline.core.runner import RunContext, run_stage
+from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
-from pipeline.runner import RunContext, run_stage
-from pipeline.targets import TargetLoader
+from pipeline.stages import evaluate, rollout
 from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from pipeline import generate
-from pipeline.runner import planned_ref, run_stage
-from pipeline.targets import EMBEDDED_TARGET, TargetConfig, TargetLoader
+from pipeline.core.runner import planned_ref, run_stage
+from pipeline.core.targets import EMBEDDED_TARGET, TargetConfig, TargetLoader
+from pipeline.stages import generate
 from storage import OpdError
 
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.config import StrictConfig, runtime_field, version_dict
+from pipeline.core.config import StrictConfig, runtime_field, version_dict
 from storage import (
     CorruptDataset,
     DatasetNotFound,

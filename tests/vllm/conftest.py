@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from models import vllm_engine
-from pipeline import evaluate, features, generate, prompts, sft
 from pipeline.chains import Step
+from pipeline.core.runner import RunContext, run_stage
+from pipeline.core.targets import TargetLoader, resolve_dtype
 from pipeline.export import ensure_export
 from pipeline.profiles import PipelineConfig, load_config
-from pipeline.runner import RunContext, run_stage
-from pipeline.targets import TargetLoader, resolve_dtype
+from pipeline.stages import evaluate, features, generate, prompts, sft
 from storage import Dataset, Store
 
 UNAVAILABLE = vllm_engine.unavailable_reason()

@@ -10,10 +10,10 @@ from click.testing import CliRunner
 
 from cli.main import cli
 from models import vllm_engine
-from pipeline import generate
-from pipeline.evaluate import divergence
+from pipeline.core.runner import run_stage
 from pipeline.export import ensure_export
-from pipeline.runner import run_stage
+from pipeline.stages import generate
+from pipeline.stages.evaluate import divergence
 from tests.vllm.conftest import SETS, UNAVAILABLE, Embedded, K
 
 pytestmark = [

@@ -1,0 +1,59 @@
+"""What several commands share: the profile option's help, logging, and the config / target a
+command line names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from storage import OpdError
+
+PROFILE_HELP = (
+    "Config profile [default: the target the input datasets were made with, else 'default']."
+)
+
+
+def setup_logging(prefix: str = "") -> None:
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"
+    )
+
+
+def states_target(
+    profile: str | None, sets: tuple[str, ...], config_file: Path | None = None
+) -> bool:
+    """Whether the command line names a target itself (else existing datasets decide it)."""
+    named_in_file = config_file is not None and "target" in json.loads(config_file.read_text())
+    return (
+        profile is not None
+        or named_in_file
+        or any(s.split("=")[0].split(".")[0] == "target" for s in sets)
+    )
+
+
+def command_config(profile: str | None, sets: tuple[str, ...], k: int | None = None):
+    """The validated config (before any input is opened), with a command's `--k` as
+    `drafting.k` where given."""
+    from pipeline.profiles import load_config
+
+    if k is not None and k < 1:
+        raise OpdError(f"--k must be >= 1 (tokens drafted per step), got {k}")
+    cfg = load_config(profile or "default", None, list(sets))
+    if k is not None:
+        # Evaluating or serving a trained drafter deeper than its TTT depth is a fair question
+        # to ask of it; the ttt_steps >= k rule guards training configs, so raise it alongside.
+        ttt = max(k, cfg.drafting.ttt_steps)
+        more = [f"drafting.k={k}", f"drafting.ttt_steps={ttt}"]
+        cfg = load_config(profile or "default", None, [*sets, *more])
+    return cfg
+
+
+def command_target(cfg, profile: str | None, sets: tuple[str, ...], datasets=()):
+    """`cfg` with the target `datasets` were made with (if recorded and the command line names
+    none), and its loader."""
+    from pipeline.core.targets import TargetLoader, target_for
+
+    target = target_for(datasets, cfg.target, stated=states_target(profile, sets))
+    return cfg.model_copy(update={"target": target}), TargetLoader(target)

@@ -1,0 +1,250 @@
+"""`opd experiment ...`: the studies comparing Draft-OPD with continued SFT, losses and objectives."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import click
+
+from cli.common import command_config, command_target, setup_logging
+from storage import Store
+
+
+@click.group("experiment")
+def experiment_group() -> None:
+    """Experiments that compare training methods end to end."""
+
+
+_EXPERIMENT_OPTIONS = [
+    click.option(
+        "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+    ),
+    click.option(
+        "--set",
+        "sets",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override one config value (repeatable).",
+    ),
+    click.option(
+        "--budget",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Drafter row-steps per arm or variant [default: --budget-ratio x the warm-up's].",
+    ),
+    click.option(
+        "--prompts",
+        "prompts_ref",
+        default=None,
+        help="Use this prompts dataset instead of running the prompts stage.",
+    ),
+    click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON."),
+]
+
+
+def _experiment_options(f):
+    for option in reversed(_EXPERIMENT_OPTIONS):
+        f = option(f)
+    return f
+
+
+def _experiment_context(
+    store: Store, profile: str, sets: tuple[str, ...], as_json: bool, name: str
+) -> tuple[Any, Any]:
+    """(config, RunContext) of an experiment command. It logs its progress to stderr also with
+    --json (stdout then holds only the JSON): an experiment runs for minutes to hours."""
+    from pipeline.core.runner import RunContext
+
+    cfg, loader = command_target(command_config(profile, sets), profile, sets)
+    setup_logging()
+    ctx = RunContext(store=store, target_loader=loader, progress=not as_json, run_name=name)
+    return cfg, ctx
+
+
+def _command_line(store: Store, args: list[str]) -> str:
+    """The command as the report quotes it (the options that were given, in canonical form)."""
+    return shlex.join(["opd", "--root", str(store.root), "experiment", *args])
+
+
+@experiment_group.command("opd-vs-sft")
+@_experiment_options
+@click.option(
+    "--seeds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Seeds per arm (mean and spread over them).",
+)
+@click.option(
+    "--first-seed",
+    type=click.IntRange(min=0),
+    default=None,
+    help="First seed of the arms [default: sft.seed]; the warm-up keeps sft.seed, so processes "
+    "running disjoint seeds share it.",
+)
+@click.option(
+    "--budget-ratio",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Budget per arm as a share of the SFT warm-up's row-steps.",
+)
+@click.option(
+    "--sft-data-temperature",
+    type=float,
+    default=None,
+    help="Sample the fresh target sequences continued SFT trains on at this temperature "
+    "[default: the OPD rollouts' temperature].",
+)
+@click.pass_obj
+def opd_vs_sft_cmd(
+    store: Store,
+    profile: str,
+    sets: tuple[str, ...],
+    seeds: int,
+    first_seed: int | None,
+    budget: int | None,
+    budget_ratio: float,
+    sft_data_temperature: float | None,
+    prompts_ref: str | None,
+    as_json: bool,
+) -> None:
+    """From one SFT warm-up, spend the same drafter budget on continued SFT and on Draft-OPD
+    rounds; compare tau on held-out prompts at T=0 and T=1, and plot held-out tau against
+    row-steps for both arms. Writes a report dataset (experiment@VERSION).
+
+    The budget counts drafter forward+backward row-steps (TTT-unrolled rows x steps).
+    """
+    from pipeline.experiments import opd_vs_sft
+
+    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-opd-vs-sft")
+    args = ["opd-vs-sft", "--profile", profile, *(f"--set={s}" for s in sets)]
+    args += ["--seeds", str(seeds)]
+    args += ["--first-seed", str(first_seed)] if first_seed is not None else []
+    args += ["--budget", str(budget)] if budget else ["--budget-ratio", f"{budget_ratio:g}"]
+    if sft_data_temperature is not None:
+        args += ["--sft-data-temperature", f"{sft_data_temperature:g}"]
+    args += ["--prompts", prompts_ref] if prompts_ref else []
+    result = opd_vs_sft.opd_vs_sft(
+        cfg,
+        ctx,
+        seeds=seeds,
+        first_seed=first_seed,
+        budget=budget,
+        budget_ratio=budget_ratio,
+        sft_data_temperature=sft_data_temperature,
+        prompts=store.open(prompts_ref) if prompts_ref else None,
+        command=_command_line(store, args),
+    )
+    click.echo(json.dumps(result, indent=2) if as_json else opd_vs_sft.summary_text(result))
+
+
+@experiment_group.command("ablate")
+@_experiment_options
+@click.option(
+    "--factors",
+    default="loss",
+    show_default=True,
+    help="Comma-separated factors to vary, one at a time around the OPD defaults: loss (every "
+    "opd.loss), replays (greedy vs sampled at T=1), rounds (1-4), samples (replays per anchor "
+    "at T=1: 1, 2, 4), gamma (0.5, 0.8, 1.0).",
+)
+@click.option(
+    "--seeds",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Seeds per variant (mean and spread over them).",
+)
+@click.option(
+    "--budget-ratio",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.25,
+    show_default=True,
+    help="Budget per variant as a share of the SFT warm-up's row-steps (small, so the default "
+    "grid, 4 loss families x 2 seeds, takes an estimated 40 min on the default profile).",
+)
+@click.pass_obj
+def ablate_cmd(
+    store: Store,
+    profile: str,
+    sets: tuple[str, ...],
+    factors: str,
+    seeds: int,
+    budget: int | None,
+    budget_ratio: float,
+    prompts_ref: str | None,
+    as_json: bool,
+) -> None:
+    """Draft-OPD variants, one factor at a time, from opd-vs-sft's SFT warm-up at one drafter
+    budget; tau at T=0 and T=1 per variant over seeds. Writes a report dataset
+    (experiment@VERSION: Parquet table, PNG plot, report.md).
+    """
+    from pipeline.experiments import ablate as ablation
+
+    names = [f.strip() for f in factors.split(",") if f.strip()]
+    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-ablate")
+    args = ["ablate", "--profile", profile, *(f"--set={s}" for s in sets)]
+    args += ["--factors", ",".join(names), "--seeds", str(seeds)]
+    args += ["--budget", str(budget)] if budget else ["--budget-ratio", f"{budget_ratio:g}"]
+    args += ["--prompts", prompts_ref] if prompts_ref else []
+    result = ablation.ablate(
+        cfg,
+        ctx,
+        factors=names,
+        seeds=seeds,
+        budget=budget,
+        budget_ratio=budget_ratio,
+        prompts=store.open(prompts_ref) if prompts_ref else None,
+        command=_command_line(store, args),
+    )
+    click.echo(json.dumps(result, indent=2) if as_json else ablation.ablate_summary_text(result))
+
+
+@experiment_group.command("objectives")
+@click.option(
+    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config value (repeatable).",
+)
+@click.option(
+    "--seeds",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="SFT runs per objective (mean and spread over them).",
+)
+@click.option(
+    "--prompts",
+    "prompts_ref",
+    default=None,
+    help="Use this prompts dataset instead of running the prompts stage.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+@click.pass_obj
+def objectives_cmd(
+    store: Store,
+    profile: str,
+    sets: tuple[str, ...],
+    seeds: int,
+    prompts_ref: str | None,
+    as_json: bool,
+) -> None:
+    """Train the SFT drafter with EAGLE-3's training-time test and with EAGLE-1's objective
+    (same optimizer steps over the same rows); compare tau and per-offset acceptance alpha_k
+    on held-out prompts at T=0 and T=1, written as a report dataset with a plot.
+    """
+    from pipeline.experiments import objectives
+
+    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-objectives")
+    result = objectives.objectives(
+        cfg, ctx, seeds=seeds, prompts=store.open(prompts_ref) if prompts_ref else None
+    )
+    click.echo(json.dumps(result, indent=2) if as_json else objectives.summary_text(result))

@@ -1,0 +1,225 @@
+"""`opd run STAGE|CHAIN`: one stage or a chain of them, in one process, under torchrun, on
+Dask or as a Prefect flow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from cli.common import setup_logging, states_target
+from storage import OpdError, Store, check_run_name
+
+if TYPE_CHECKING:
+    from pipeline.distributed import Ranks
+    from pipeline.profiles import PipelineConfig
+
+
+class _RunCommand(click.Command):
+    """`opd run --help` lists the stages from their records (imported only for help)."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from pipeline.chains import CHAINS
+        from pipeline.stages import STAGES
+
+        rows = []
+        for s in STAGES:
+            reads = ", ".join(f"{r}<-{'|'.join(k)}" for r, k in s.inputs.items()) or "-"
+            rounds = f" (also {s.name}-rN)" if s.per_round else ""
+            rows.append((s.name + rounds, f"{s.doc}; reads {reads}; writes {s.output}"))
+        with formatter.section("Stages"):
+            formatter.write_dl(rows)
+        with formatter.section("Chains"):
+            formatter.write_text(", ".join(CHAINS))
+
+
+@click.command("run", cls=_RunCommand)
+@click.argument("stage")
+@click.option(
+    "--profile",
+    default=None,
+    help="Config profile (tiny, default) [default: default; a single stage takes its target from its inputs].",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, exists=True),
+    help="JSON config applied over the profile.",
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config value, e.g. --set sft.lr=1e-3 (repeatable).",
+)
+@click.option(
+    "--input",
+    "input_refs",
+    multiple=True,
+    metavar="ROLE=REF",
+    help="Use this dataset for an input role instead of the latest (repeatable).",
+)
+@click.option(
+    "--force", is_flag=True, help="Recompute the stage's output even if its version exists."
+)
+@click.option(
+    "--run-name",
+    default="default",
+    show_default=True,
+    help="Record produced versions under this run name (NAME@run:RUN).",
+)
+@click.option(
+    "--prefect",
+    "use_prefect",
+    is_flag=True,
+    help="Run as a Prefect flow (in-process, no server needed).",
+)
+@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+@click.option(
+    "--nproc",
+    type=int,
+    default=None,
+    help="Run as N processes through torch's launcher (torch.distributed.run): sharded stages "
+    "split their shards by rank into one dataset, sft and opd train with DDP (FSDP with "
+    "--set sft.fsdp=true / opd.fsdp=true). Under an external torchrun leave it out.",
+)
+@click.pass_obj
+def run_cmd(
+    store: Store,
+    stage: str,
+    profile: str | None,
+    config_file: Path | None,
+    sets: tuple[str, ...],
+    input_refs: tuple[str, ...],
+    force: bool,
+    run_name: str,
+    use_prefect: bool,
+    no_progress: bool,
+    nproc: int | None,
+) -> None:
+    """Run one STAGE on the latest (or given) inputs, or a chain (sft-chain, full).
+
+    Work whose version already exists is skipped; the produced refs are printed.
+    """
+    from pipeline import distributed
+    from pipeline.profiles import load_config
+
+    ranks = distributed.env_ranks()
+    if nproc is not None and nproc < 1:
+        raise OpdError(f"--nproc must be >= 1 (processes to launch), got {nproc}")
+    if nproc is not None and ranks is not None:
+        raise OpdError(
+            "--nproc launches processes, but this one already runs under torchrun (WORLD_SIZE "
+            "is set): leave --nproc out; torchrun's --nproc-per-node sets the processes"
+        )
+    if use_prefect and ((nproc or 1) > 1 or ranks is not None):
+        raise OpdError(
+            "--prefect runs in one process: drop --nproc/torchrun, or fan out with the flow's "
+            "`workers` parameter (see README, Scaling out)"
+        )
+    check_run_name(run_name)  # before any work: a bad name must not fail a finished run
+    cfg = load_config(profile or "default", config_file, list(sets))
+    if nproc is not None and nproc > 1:
+        argv = ["--root", str(store.root), "run", stage, "--run-name", run_name]
+        argv += ["--profile", profile] if profile else []
+        argv += ["--config", str(config_file)] if config_file else []
+        argv += [a for s in sets for a in ("--set", s)]
+        argv += [a for r in input_refs for a in ("--input", r)]
+        argv += ["--force"] * force + ["--no-progress"] * no_progress
+        distributed.launch(nproc, argv)
+        return
+    args = (store, stage, cfg, profile, config_file, sets, input_refs, force, run_name)
+    if ranks is None or ranks.world_size == 1:
+        setup_logging()
+        _run(*args, use_prefect=use_prefect, progress=not no_progress)
+        return
+    setup_logging(f"[rank {ranks.rank}/{ranks.world_size}] ")
+    try:
+        distributed.init(ranks)
+        # Progress bars of several ranks would overwrite each other: rank 0 draws them.
+        _run(*args, progress=not no_progress and ranks.rank == 0, ranks=ranks)
+    except OpdError as e:
+        raise distributed.failed("opd run", ranks.rank, ranks.world_size, e) from None
+    finally:
+        # A rank that exits with its gloo group still open can abort in the group's C++ teardown
+        # ("terminate called without an active exception") instead of exiting with its error.
+        distributed.finish()
+
+
+def _run(
+    store: Store,
+    stage: str,
+    cfg: PipelineConfig,
+    profile: str | None,
+    config_file: Path | None,
+    sets: tuple[str, ...],
+    input_refs: tuple[str, ...],
+    force: bool,
+    run_name: str,
+    *,
+    progress: bool,
+    use_prefect: bool = False,
+    ranks: Ranks | None = None,
+) -> None:
+    """`opd run` in this process: alone, or as one rank of a torchrun launch (`ranks`)."""
+    from pipeline import distributed
+    from pipeline.chains import CHAINS, record_results, run_chain, single_step
+    from pipeline.core.runner import RunContext
+    from pipeline.core.targets import TargetLoader, target_for
+
+    ctx = RunContext(
+        store=store, target_loader=TargetLoader(cfg.target), progress=progress, run_name=run_name
+    )
+    if stage in CHAINS:
+        steps = CHAINS[stage](cfg)
+        external = {}
+        forced = {s.key for s in steps} if force else set()
+    else:
+        step = single_step(stage, cfg)
+        roles = dict(r.split("=", 1) for r in input_refs if "=" in r)
+        # Optional roles (e.g. opd's features) are read only when given with --input.
+        known = [*step.stage.inputs, *step.stage.optional_inputs]
+        bad = [r for r in input_refs if "=" not in r]
+        bad += [r for r in roles if step.stage.input_kinds(r) is None]
+        if bad:
+            raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {known}")
+        wanted = [*step.stage.inputs, *(r for r in roles if r not in step.stage.inputs)]
+        external = {
+            role: store.open(roles.get(role) or step.stage.default_ref(role)) for role in wanted
+        }
+        step.inputs = {role: role for role in wanted}
+        stated = states_target(profile, sets, config_file)
+        cfg = cfg.model_copy(
+            update={"target": target_for(external.values(), cfg.target, stated=stated)}
+        )
+        ctx.target_loader = TargetLoader(cfg.target)
+        steps = [step]
+        forced = {step.key} if force else set()
+    if ranks is not None:
+        what = (stage, cfg.model_dump(mode="json"), {r: str(d.ref) for r, d in external.items()})
+        distributed.check_sameconfig(distributed.fingerprint(*what, sorted(forced), run_name))
+        results = distributed.run_steps(steps, ctx, ranks, external=external, force=forced)
+        if ranks.rank != 0:  # rank 0 records and reports the run
+            return
+    elif use_prefect:
+        from flows.pipeline import run_steps_flow
+
+        results = run_steps_flow(steps, ctx, external, forced)
+    else:
+        results = run_chain(steps, ctx, external=external, force=forced)
+    record_results(ctx, run_name, results)
+    for key, r in results.items():
+        click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
+    if stage == "full":
+        from pipeline.export import export_chain_result
+
+        info = export_chain_result(results, ctx.target_loader, store.root, cfg.drafting.k)
+        if info is not None:
+            others = ", ".join(f"{f}/" for f in info["formats"][1:])
+            click.echo(
+                f"export       {info['path']}" + (f" (+ {others} beside it)" if others else "")
+            )
+            click.echo(f"serve with:  {info['vllm_command']}")
+            click.echo(f"trees:       {info['tree_note']}")

@@ -1,0 +1,92 @@
+"""`opd export` and `opd serve`: a drafter as a directory vLLM loads, and the Prefect deployments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cli.common import PROFILE_HELP, command_config, command_target
+from storage import Store
+
+
+@click.command("export")
+@click.option(
+    "--drafter",
+    "drafter_ref",
+    default="sft@latest",
+    show_default=True,
+    help="An sft or opd dataset.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    default=None,
+    help="Export format, one of the drafter kind's: eagle3 (default) or speculators for an "
+    "EAGLE-3 drafter.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Directory to write (new or empty; see --overwrite).",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace a non-empty --out (never the target's directory)."
+)
+@click.option(
+    "--k",
+    type=int,
+    default=None,
+    help="num_speculative_tokens to serve with [profile: drafting.k].",
+)
+@click.option(
+    "--verifier",
+    default=None,
+    metavar="NAME_OR_PATH",
+    help="The target as the serving machine names it (speculators verifier.name_or_path) "
+    "[default: the hub name in the target's config.json, else its local path].",
+)
+@click.option("--profile", default=None, help=PROFILE_HELP)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.pass_obj
+def export_cmd(
+    store: Store,
+    drafter_ref: str,
+    fmt: str | None,
+    out: Path,
+    overwrite: bool,
+    k: int | None,
+    verifier: str | None,
+    profile: str | None,
+    sets: tuple[str, ...],
+) -> None:
+    """Write a drafter as a directory vLLM loads, and print the command that serves it."""
+    from pipeline.export import export_drafter
+
+    cfg = command_config(profile, sets, k)
+    drafter = store.open(drafter_ref)
+    cfg, loader = command_target(cfg, profile, sets, [drafter])
+    info = export_drafter(
+        drafter, loader, fmt, out, cfg.drafting.k, overwrite=overwrite, verifier=verifier
+    )
+    for warning in info["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(
+        f"exported {info['drafter']} as {info['format']} to {info['path']} (round trip: identical logits)"
+    )
+    click.echo("serve it with:")
+    click.echo(f"  {info['vllm_command']}")
+    click.echo(f"  ({info['tree_note']})")
+
+
+@click.command("serve")
+@click.pass_obj
+def serve_cmd(store: Store) -> None:
+    """Register and serve the Prefect deployments (opd-pipeline/full) with a running server.
+
+    Then: prefect deployment run opd-pipeline/full -p profile=tiny --watch
+    """
+    from flows.serve import serve
+
+    serve(str(store.root.resolve()))

@@ -1,0 +1,84 @@
+"""Drafter datasets (`sft`, `opd`): their layout, writing one, and loading one for its target.
+
+Layout: `model.safetensors` + `drafter_config.json` (the drafter), `draft_vocab.safetensors`
+(the frozen map, byte for byte as the features stage wrote it), `metrics.parquet` (one `train`
+row per step, one `val` row per validation) and `summary.json` (the manifest's meta).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from models.drafter import Drafter
+from models.drafters import CONFIG_FILE, WEIGHTS_FILE, load_drafter, recorded_kind, save_drafter
+from models.target import Target
+from pipeline.core.checks import VOCAB_FILE, check_same_target
+from pipeline.core.stage import DRAFTER_DATASETS
+from storage import Dataset, DatasetWriter, OpdError
+
+METRICS_FILE = "metrics.parquet"
+SUMMARY_FILE = "summary.json"
+OUTPUT_FILES = (WEIGHTS_FILE, CONFIG_FILE, VOCAB_FILE, METRICS_FILE, SUMMARY_FILE)
+
+
+def drafter_kind(ds: Dataset) -> str:
+    """The kind of the drafter in `ds` (refusing a dataset that holds no drafter)."""
+    if ds.ref.name not in DRAFTER_DATASETS:
+        raise OpdError(f"{ds.ref} is not a drafter; pass an sft or opd dataset (e.g. sft@latest)")
+    return recorded_kind(ds.path)
+
+
+def load_drafter_dataset(
+    ds: Dataset, target: Target, identity: dict, *, kind: str | None = None
+) -> Drafter:
+    """The drafter in `ds`, with the target's embedding re-attached; refuses a foreign target
+    (and, with `kind`, a drafter of another kind)."""
+    if ds.ref.name not in DRAFTER_DATASETS:
+        raise OpdError(f"{ds.ref} is not a drafter; pass an sft or opd dataset (e.g. sft@latest)")
+    check_same_target(ds, identity)
+    ds.verify_all()
+    try:
+        drafter = load_drafter(ds.path, target.embed_weight, kind=kind)
+    except ValueError as e:
+        raise OpdError(f"{ds.ref}: {e}") from None
+    return drafter.eval()
+
+
+def written_summary(output: DatasetWriter) -> dict[str, Any] | None:
+    """The summary of a drafter dataset whose files are all written (only the commit was
+    missing when the stage stopped), else None."""
+    if all(output.has_shard(f) for f in OUTPUT_FILES):
+        return json.loads((output.dir / SUMMARY_FILE).read_text())
+    return None
+
+
+def write_drafter_dataset(
+    output: DatasetWriter,
+    drafter: Drafter | Dataset,
+    vocab_from: Dataset,
+    metrics: list[dict[str, Any]],
+    schema: pa.Schema,
+    summary: dict[str, Any],
+) -> dict[str, Any]:
+    """Write every file of the layout; `drafter` is a trained module, or a drafter dataset
+    whose files are copied byte for byte (a stage that had nothing to train on). The summary
+    records the drafter's kind (`drafter_kind`); returns the summary written."""
+    if isinstance(drafter, Dataset):
+        summary = summary | {"drafter_kind": recorded_kind(drafter.path)}
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            output.write_file(name, drafter.file(name))
+    else:
+        summary = summary | {"drafter_kind": drafter.kind}
+        with tempfile.TemporaryDirectory() as tmp:
+            save_drafter(drafter, tmp)
+            for name in (WEIGHTS_FILE, CONFIG_FILE):
+                output.write_file(name, Path(tmp) / name)
+    output.write_file(VOCAB_FILE, vocab_from.file(VOCAB_FILE))
+    output.write_parquet(METRICS_FILE, pa.Table.from_pylist(metrics, schema=schema))
+    output.write_bytes(SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True).encode())
+    return summary

@@ -1,0 +1,12 @@
+"""The `rollouts` dataset's shard layout: written by `rollout`, read by `score` and `opd`."""
+
+from __future__ import annotations
+
+
+def shard_files(i: int) -> tuple[str, str, str, str]:
+    return (
+        f"sequences-{i:05d}.parquet",
+        f"features-{i:05d}.arrow",
+        f"rejections-{i:05d}.parquet",
+        f"steps-{i:05d}.parquet",
+    )

@@ -1,0 +1,93 @@
+"""The stage record: what a stage is, declared once, next to its code.
+
+Every stage module ends with `STAGE = Stage(...)`; `pipeline.stages.STAGES` lists them in
+pipeline order, and everything that needs to know about stages derives from that list: the
+dataset names the store accepts, the config sections of `PipelineConfig`, the chains, the
+CLI's help and defaults, and the check that every input is the kind of dataset its role reads.
+Adding a stage is its module plus one line in `pipeline/stages.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.core.config import StrictConfig
+from storage import Dataset, OpdError
+
+DRAFTER_DATASETS = ("sft", "opd")
+"""Dataset names that hold a trained drafter (what a `drafter` role reads)."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    """CLI name, step key and config section (`opd run NAME`, `--set NAME.key=value`)."""
+    output: str
+    """The dataset it writes (`<root>/<output>/<version>/`)."""
+    version: str
+    """Bump when the code's output changes for the same config: it is part of the version."""
+    config: type[StrictConfig]
+    run: Callable[..., dict]
+    """run(cfg, inputs, output, rank, world_size, ctx) -> manifest meta; writes the shards."""
+    doc: str
+    """One line for `opd run --help`."""
+    inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Role -> the dataset names (producing stages' outputs) that role accepts."""
+    optional_inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    default_inputs: Mapping[str, str] = field(default_factory=dict)
+    """Role -> the ref a single-stage run reads when `--input` does not name one
+    (default: `<role's first kind>@latest`)."""
+    repeated_role: str | None = None
+    """A role that may also come as ROLE-2, ROLE-3, ... (analyze compares several logs)."""
+    uses_target: bool = True
+    """The target's identity is part of the version (it is loaded only when the stage needs it)."""
+    sharded: bool = False
+    """Work is split into shards by rank (generate, features, rollout, score, evaluate);
+    otherwise rank 0 writes (and training stages run DDP or FSDP)."""
+    ddp: bool = False
+    """Every rank trains (DistributedDataParallel) and rank 0 writes: under torchrun all ranks
+    run it; a stage that is neither sharded nor ddp runs on rank 0 alone."""
+    per_round: bool = False
+    """Repeated once per Draft-OPD round as `<name>-r<round>`; its config has a `round` field."""
+    may_be_empty: bool = False
+    """Committing 0 rows from non-empty inputs is legitimate (otherwise it is an error)."""
+    drafting: Mapping[str, str] = field(default_factory=dict)
+    """Config fields tied to the pipeline's `drafting` section: field -> drafting field. Users
+    set `drafting.k` once; each stage's version holds only the K-values it uses."""
+    version_extra: Callable[[Any], dict] | None = None
+    """Extra data hashed into the version (e.g. a source file's content hash)."""
+    engine: Callable[[Any, Any], str] | None = None
+    """engine(cfg, ctx): what a `backend: auto` setting resolves to on this machine; it is
+    hashed into the version, since different engines write different (equally valid) tokens."""
+
+    def input_kinds(self, role: str) -> tuple[str, ...] | None:
+        """The dataset names `role` accepts; None if the stage has no such role."""
+        known = {**self.inputs, **self.optional_inputs}
+        if role in known:
+            return known[role]
+        base, _, n = role.rpartition("-")
+        if self.repeated_role and base == self.repeated_role and n.isdigit() and int(n) >= 2:
+            return known[base]
+        return None
+
+    def default_ref(self, role: str) -> str:
+        return self.default_inputs.get(role) or f"{self.input_kinds(role)[0]}@latest"
+
+    def check_inputs(self, inputs: Mapping[str, Dataset]) -> None:
+        """Every required role is given, and every given dataset is a kind its role reads."""
+        missing = sorted(set(self.inputs) - set(inputs))
+        if missing:
+            raise OpdError(f"stage {self.name} needs inputs {missing}")
+        for role, ds in inputs.items():
+            kinds = self.input_kinds(role)
+            if kinds is None:
+                roles = [*self.inputs, *self.optional_inputs]
+                raise OpdError(f"stage {self.name} has no input role {role!r}; roles: {roles}")
+            if ds.ref.name not in kinds:
+                raise OpdError(
+                    f"stage {self.name} reads {role!r} from a {' or '.join(kinds)} dataset, but "
+                    f"{ds.ref} is a {ds.ref.name} dataset: pass --input {role}="
+                    f"{kinds[0]}@VERSION (or {kinds[0]}@latest)"
+                )

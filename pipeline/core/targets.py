@@ -1,0 +1,278 @@
+"""Which target model a run uses, loaded once per process and shared by its stages."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, field_validator, model_validator
+
+from models.target import (
+    Target,
+    check_aux_layer_ids,
+    check_aux_layer_order,
+    default_aux_layer_ids,
+    load_target,
+)
+from pipeline.core.config import StrictConfig
+from storage import Dataset, OpdError
+
+EMBEDDED_TARGET = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
+
+
+class RandomTargetConfig(StrictConfig):
+    """A tiny randomly initialised target built in-process (tests; no real distribution)."""
+
+    family: Literal["llama", "qwen3"] = "llama"
+    num_layers: int = 4  # >= 4 so the default aux ids (2, N//2, N-3) are distinct-ish and valid
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    seed: int = 0
+
+
+class TargetConfig(StrictConfig):
+    path: str = "embedded"
+    """`embedded` (the committed code model), `random` (see `random`), or a local HF directory."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """`auto` (CUDA when torch sees a GPU, else CPU), `cpu`, `cuda`, `cuda:N`. Where the target and
+    the drafter run; never part of a version (the same weights give the same data anywhere, up
+    to `dtype`, which is)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """`auto`: bf16 on CUDA (what GPU targets are served in), fp32 on CPU, where it keeps T=0
+    speculative decoding exactly equal to plain greedy decoding. The resolved dtype enters the
+    target's identity."""
+    device_map: Literal["auto"] | None = None
+    """`auto`: spread a target too large for one GPU over every visible GPU with accelerate
+    (local model directories only); the drafter then runs where the LM head is."""
+    aux_layer_ids: list[int] | None = None
+    """HF hidden_states[k] ids (the state entering layer k); None = EAGLE-3's (2, N//2, N-3)."""
+    random: RandomTargetConfig = RandomTargetConfig()
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _aux_ids_in_order(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None:
+            if len(ids) != 3:
+                raise ValueError(f"aux_layer_ids must be 3 ids (low, mid, high), got {ids}")
+            check_aux_layer_order(ids)
+        return ids
+
+    @model_validator(mode="after")
+    def _aux_ids_fit_random_target(self) -> TargetConfig:
+        # only the random target's depth is known before loading
+        if self.path == "random":
+            ids = self.aux_layer_ids or default_aux_layer_ids(self.random.num_layers)
+            check_aux_layer_ids(ids, self.random.num_layers)
+        return self
+
+
+def resolve_device(cfg: TargetConfig) -> torch.device:
+    """The device `cfg.device` names on this machine; a CUDA device torch cannot see is an error."""
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OpdError(
+                f"target.device={cfg.device} but torch sees no CUDA GPU (torch "
+                f"{torch.__version__}, built for CUDA {torch.version.cuda}): use "
+                "--set target.device=cpu (or auto), or install a CUDA build of torch"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise OpdError(
+                f"target.device={cfg.device} but torch sees {torch.cuda.device_count()} GPU(s): "
+                f"use cuda:0..cuda:{torch.cuda.device_count() - 1}"
+            )
+    return device
+
+
+def resolve_dtype(cfg: TargetConfig) -> str:
+    """`float32` or `bfloat16`: what `cfg.dtype` means on the device it resolves to."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    on_gpu = cfg.device_map is not None or resolve_device(cfg).type == "cuda"
+    return "bfloat16" if on_gpu else "float32"
+
+
+def _build_random(cfg: RandomTargetConfig, vocab_size: int, tokenizer: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    hf_cfg = LlamaConfig(**common) if cfg.family == "llama" else Qwen3Config(**common)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
+    # A random model's logits are nearly flat; scale the head so its distribution is peaked
+    # enough that drafts sometimes get accepted in tests (still a deterministic function of seed).
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+class TargetLoader:
+    """Loads the configured target lazily, once; `identity` is what enters dataset versions."""
+
+    def __init__(self, cfg: TargetConfig):
+        self.cfg = cfg
+
+    @property
+    def directory(self) -> Path | None:
+        """The target's model directory, for engines that load it themselves (None: `random`)."""
+        if self.cfg.path == "random":
+            return None
+        return EMBEDDED_TARGET if self.cfg.path == "embedded" else Path(self.cfg.path).resolve()
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        directory = (
+            EMBEDDED_TARGET if self.cfg.path in ("embedded", "random") else Path(self.cfg.path)
+        )
+        if (
+            not (directory / "tokenizer_config.json").exists()
+            and not (directory / "tokenizer.json").exists()
+        ):
+            raise OpdError(
+                f"no tokenizer in {directory}: the target directory must hold the tokenizer "
+                "files it was trained with (tokenizer.json / tokenizer_config.json)"
+            )
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+    @cached_property
+    def target(self) -> Target:
+        device = resolve_device(self.cfg)
+        dtype = getattr(torch, resolve_dtype(self.cfg))
+        ids = self.cfg.aux_layer_ids
+        if self.cfg.device_map is not None:
+            if self.cfg.path == "random":
+                raise OpdError("target.device_map needs a model directory, not target.path=random")
+            if importlib.util.find_spec("accelerate") is None:
+                raise OpdError("target.device_map=auto needs accelerate: pip install accelerate")
+        try:
+            if self.cfg.path == "random":
+                model = _build_random(self.cfg.random, len(self.tokenizer), self.tokenizer)
+                return Target.from_model(model.to(device=device, dtype=dtype), aux_layer_ids=ids)
+            path = EMBEDDED_TARGET if self.cfg.path == "embedded" else Path(self.cfg.path)
+            return load_target(
+                path, dtype=dtype, device=device, device_map=self.cfg.device_map, aux_layer_ids=ids
+            )
+        except (ValueError, FileNotFoundError) as e:
+            raise OpdError(f"cannot load target {self.cfg.path!r}: {e}") from None
+        except torch.OutOfMemoryError:
+            raise OpdError(
+                f"the target {self.cfg.path!r} does not fit in {device}'s memory: use "
+                "--set target.device_map=auto to spread it over every GPU, or a smaller dtype"
+            ) from None
+
+    @cached_property
+    def identity(self) -> dict[str, Any]:
+        """Weights hash + architecture + resolved dtype; not the path (a moved checkout keeps its
+        versions) and not the device."""
+        ident = {k: v for k, v in self.target.identity.items() if k != "path"}
+        ident["dtype"] = resolve_dtype(self.cfg)
+        return ident
+
+    def record(self) -> dict[str, Any]:
+        """The manifest `meta` entry that lets later commands load this target again."""
+        return {TARGET_RECORD: target_spec(self.cfg)}
+
+
+TARGET_RECORD = "target_config"
+"""Manifest `meta` key: how to load the target a dataset was made with (not part of the version,
+so a moved model directory or checkout keeps its dataset versions)."""
+
+_BUILT_IN = ("embedded", "random")
+
+
+def target_spec(cfg: TargetConfig) -> dict[str, Any]:
+    """`cfg` in the form a manifest records it: a local path made absolute, unused sections dropped."""
+    spec = cfg.model_dump(mode="json", exclude={"device", "device_map"})
+    # Where the data was made is no part of what made it; the dtype it was made in is.
+    spec["dtype"] = resolve_dtype(cfg)
+    if cfg.path not in _BUILT_IN:
+        resolved = Path(cfg.path).expanduser().resolve()
+        spec["path"] = "embedded" if resolved == EMBEDDED_TARGET else str(resolved)
+    if spec["path"] != "random":
+        spec.pop("random")
+    return spec
+
+
+def _flat(spec: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in spec.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    fa, fb = _flat(a), _flat(b)
+    diff = {
+        k: (fa.get(k), fb.get(k)) for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)
+    }
+    if "path" in diff:  # the random model's settings only matter when both are random
+        diff = {k: v for k, v in diff.items() if not k.startswith("random.")}
+    return diff
+
+
+def _describe(diff: dict[str, tuple[Any, Any]], first: str, second: str) -> str:
+    return "; ".join(
+        f"target.{k}: {a!r} ({first}) vs {b!r} ({second})" for k, (a, b) in diff.items()
+    )
+
+
+def target_for(
+    datasets: Iterable[Dataset], configured: TargetConfig, *, stated: bool
+) -> TargetConfig:
+    """The target a command that reads existing datasets must use: the one they were made with.
+
+    `configured` is the profile's target after --config/--set; `stated` says whether this command
+    named a target itself (a --profile, a --set target.*, a config file's target). Datasets
+    record their target in their manifests (`target_record`); all of them must agree, and a
+    stated target must be the recorded one. A stated target that differs only in `path` wins (a
+    moved or copied model directory): the stages compare the weights hash when they read the
+    datasets. Datasets that record no target leave the choice to `configured`.
+    """
+    recorded = [
+        (str(ds.ref), ds.meta[TARGET_RECORD]) for ds in datasets if TARGET_RECORD in ds.meta
+    ]
+    if not recorded:
+        return configured
+    ref, spec = recorded[0]
+    for other_ref, other in recorded[1:]:
+        diff = _differences(spec, other)
+        if set(diff) - {"path"}:
+            raise OpdError(
+                f"{ref} and {other_ref} were made with different targets "
+                f"({_describe(diff, ref, other_ref)}); pass inputs made with one target"
+            )
+    if not stated:
+        return TargetConfig.model_validate(spec)
+    diff = _differences(spec, target_spec(configured))
+    if set(diff) - {"path"}:
+        raise OpdError(
+            f"{ref} was made with a different target than this command names "
+            f"({_describe(diff, ref, 'this command')}); leave out --profile and --set target.* "
+            "to use the datasets' own target, or re-run their stages with the new target"
+        )
+    return configured

@@ -1,0 +1,1 @@
+"""Experiments that run the stages: opd-vs-sft, ablate (Draft-OPD) and objectives (SFT)."""

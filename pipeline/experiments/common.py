@@ -1,0 +1,367 @@
+"""What every experiment shares: one SFT warm-up, the two arms at a matched drafter budget
+(continued SFT and Draft-OPD rounds), their evaluation at T=0 and T=1, and saving the result.
+
+Both arms spend the same drafter budget, counted in drafter forward+backward row-steps: rows of
+the training-time-test unroll x unrolled steps (SFT: every token row x ttt_steps; OPD: the rows
+up to a sequence's last anchor x the replay depth K). Continued SFT runs the fewest steps whose
+row-steps reach the budget; each OPD round gets budget / rounds the same way. Both arms use the
+same peak learning rate (`opd.lr`). Target forwards are not in the budget (OPD runs one rollout
+and one scoring per round, continued SFT one data rollout); their token counts are reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from pipeline import chains
+from pipeline.chains import Step
+from pipeline.core import training, validation
+from pipeline.core.drafters import METRICS_FILE
+from pipeline.core.runner import RunContext, StageResult, run_stage
+from pipeline.core.stage import Stage
+from pipeline.profiles import PipelineConfig
+from pipeline.stages import evaluate, opd, rollout, sft
+from storage import Dataset, OpdError, canonical_json
+
+log = logging.getLogger("opd")
+
+
+BUDGET_UNIT = (
+    "drafter forward+backward row-steps: rows of the training-time-test unroll x unrolled "
+    "steps (continued SFT: token rows x ttt_steps; OPD: rows up to a sequence's last anchor x K)"
+)
+
+
+TEMPERATURES = (0.0, 1.0)
+
+
+ARMS = ("sft_continued", "opd")
+
+
+ARM_NAMES = {"sft_warmup": "SFT warm-up", "sft_continued": "continued SFT", "opd": "Draft-OPD"}
+
+
+SFT_VALIDATIONS = 10
+"""Held-out points along continued SFT: enough to see a plateau, each costs one pass over the
+held-out sequences (48 on the default profile, a few training steps' worth)."""
+
+
+OPD_VALIDATIONS = 4
+"""Held-out points per OPD round (plus its start)."""
+
+
+def suffix(t: float) -> str:
+    """The key suffix of a temperature: T=0 is the headline (no suffix), T=1 is `_t1`."""
+    return "" if t == 0 else f"_t{t:g}"
+
+
+def sft_budget(ds: Dataset) -> int:
+    """Row-steps an `sft` dataset's training ran: tokens of every step x its unrolled steps
+    (ttt_steps; 1 for objective=eagle1)."""
+    metrics = pl.read_parquet(ds.file(METRICS_FILE)).filter(pl.col("kind") == "train")
+    stage = ds.config["stage"]
+    return int(metrics["tokens"].sum()) * sft.unrolled_steps(
+        stage.get("objective"), int(stage["ttt_steps"])
+    )
+
+
+def sft_steps_for_budget(data: list[Dataset], cfg: sft.Config, budget: int) -> int:
+    """The fewest sft optimizer steps (one rank) whose row-steps reach `budget` on `data`."""
+    index = training.FeatureIndex(data, validation.FEATURE_COLUMNS)
+    rows, _ = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
+
+    @functools.cache
+    def plan(epoch: int) -> list[int]:
+        batches = training.plan_batches(
+            index.lengths,
+            rows,
+            batch_size=cfg.batch_size,
+            max_tokens=cfg.max_tokens,
+            seed=cfg.seed,
+            epoch=epoch,
+            shuffle=True,
+            world_size=1,
+        )
+        return [int(index.lengths[b].sum()) * cfg.unroll_depth for b in batches]
+
+    per_epoch = len(plan(0))
+    return opd.steps_for_budget(budget, lambda s: plan(s // per_epoch)[s % per_epoch])
+
+
+def seed_stats(values: list[float]) -> dict[str, Any]:
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "per_seed": values,
+    }
+
+
+def val_curve(ds: Dataset) -> list[dict[str, Any]]:
+    """Validation rows of a drafter dataset on its own split: step, teacher-forced tau_sim, loss."""
+    m = pl.read_parquet(ds.file(METRICS_FILE)).filter(
+        (pl.col("kind") == "val") & pl.col("tau_sim").is_not_null()
+    )
+    return [
+        {"step": r["step"], "tau_sim": r["tau_sim"], "loss": r["loss"]}
+        for r in m.select("step", "tau_sim", "loss").iter_rows(named=True)
+    ]
+
+
+def heldout_curve(ds: Dataset, start: int) -> list[dict[str, Any]]:
+    """The `heldout_*` validations of a drafter dataset, each at `start` + the row-steps its
+    training had run by then (empty for a dataset trained without a `heldout` input)."""
+    m = pl.read_parquet(ds.file(METRICS_FILE))
+    if "heldout_tau_sim" not in m.columns:
+        return []
+    spent = (
+        m.filter(pl.col("kind") == "train")
+        .select("step", pl.col("row_steps").cum_sum().alias("spent"))
+        .vstack(
+            pl.DataFrame({"step": [0], "spent": [0]}, schema={"step": pl.Int64, "spent": pl.Int64})
+        )
+    )
+    vals = m.filter((pl.col("kind") == "val") & pl.col("heldout_tau_sim").is_not_null())
+    rows = vals.join(spent, on="step", how="left").sort("step")
+    return [
+        {
+            "step": r["step"],
+            "row_steps": start + int(r["spent"]),
+            "tau_sim": r["heldout_tau_sim"],
+            "tau_expected": r["heldout_tau_expected"],
+            "tau_chain": r["heldout_tau_chain"],
+        }
+        for r in rows.iter_rows(named=True)
+    ]
+
+
+class Runner:
+    """Runs steps through the stage runner and remembers every result by key."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.results: dict[str, StageResult] = {}
+
+    def chain(
+        self, steps: list[Step], external: dict[str, Dataset], prefix: str = ""
+    ) -> dict[str, Dataset]:
+        res = chains.run_chain(steps, self.ctx, external=external)
+        self.results |= {prefix + k: r for k, r in res.items()}
+        return {k: r.dataset for k, r in res.items()}
+
+    def stage(self, key: str, stage: Stage, cfg, inputs: dict[str, Dataset]) -> Dataset:
+        self.results[key] = run_stage(stage, cfg, inputs, self.ctx)
+        return self.results[key].dataset
+
+    def produced(self) -> dict[str, Dataset]:
+        return {k: r.dataset for k, r in self.results.items() if r.dataset is not None}
+
+
+@dataclass
+class Warmup:
+    """The shared start of every arm and variant: its prompts, features and SFT drafter."""
+
+    prompts: Dataset
+    features: Dataset
+    drafter: Dataset
+    budget: int  # row-steps the warm-up's own training ran
+    tau: dict[str, float]  # evaluated, by temperature
+
+
+def warm_up(run: Runner, cfg: PipelineConfig, prompts: Dataset | None) -> Warmup:
+    """The SFT chain's prompts -> generate -> features -> sft (cached with `opd run full`'s)."""
+    if cfg.rounds < 1:
+        raise OpdError("the experiment needs rounds >= 1 (Draft-OPD rounds); set --set rounds=2")
+    steps = chains.sft_chain(cfg)[:-1]
+    external: dict[str, Dataset] = {}
+    if prompts is not None:
+        steps, external = steps[1:], {"prompts": prompts}
+    out = run.chain(steps, external) | external
+    drafter = out["sft"]
+    return Warmup(
+        out["prompts"],
+        out["features"],
+        drafter,
+        sft_budget(drafter),
+        evaluate_taus(run, "warmup", cfg, out["prompts"], drafter),
+    )
+
+
+def evaluate_taus(
+    run: Runner, key: str, cfg: PipelineConfig, prompts: Dataset, drafter: Dataset
+) -> dict[str, float]:
+    taus = {}
+    for t in TEMPERATURES:
+        # tau only: no plain-decoding timing, no untrained-drafter contrast (the warm-up is it)
+        ecfg = cfg.evaluate.model_copy(
+            update={"temperature": t, "measure_baseline": False, "untrained_contrast": False}
+        )
+        taus[str(t)] = run.stage(
+            f"{key}:eval-T{t}", evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": drafter}
+        ).meta["tau"]
+    return taus
+
+
+def arm_budget(warm: Warmup, budget: int | None, budget_ratio: float) -> int:
+    if not budget_ratio > 0 or (budget is not None and budget < 1):
+        raise OpdError("the budget must be positive: set --budget N or --budget-ratio R > 0")
+    return budget or max(1, round(budget_ratio * warm.budget))
+
+
+def heldout_config(cfg: PipelineConfig) -> rollout.Config:
+    """The greedy rollout of the prompts evaluate decodes: the held-out validation sequences."""
+    return cfg.rollout.model_copy(
+        update={
+            "split": cfg.evaluate.split,
+            "max_prompts": cfg.evaluate.max_prompts,
+            "skip_prompts": 0,
+            "new_prompts_each_round": False,
+            "max_new_tokens": cfg.evaluate.max_new_tokens,
+            "temperature": 0.0,
+            "round": 1,
+        }
+    )
+
+
+def _rollout_seed(temperature: float, seed: int, cfg: PipelineConfig) -> int:
+    """A greedy rollout does not depend on its seed: keep one, so seeds share the dataset."""
+    return seed if temperature > 0 else cfg.rollout.seed
+
+
+def sft_data_config(cfg: PipelineConfig, seed: int, temperature: float | None) -> rollout.Config:
+    """The rollout giving continued SFT its fresh sequences: every prompt the OPD rounds draft on."""
+    t = cfg.rollout.temperature if temperature is None else temperature
+    per_round = cfg.rollout.max_prompts
+    return cfg.rollout.model_copy(
+        update={
+            "temperature": t,
+            "seed": _rollout_seed(t, seed, cfg),
+            "round": 1,
+            "new_prompts_each_round": False,
+            "max_prompts": per_round * cfg.rounds
+            if cfg.rollout.new_prompts_each_round
+            else per_round,
+        }
+    )
+
+
+def opd_arm(
+    run: Runner,
+    cfg: PipelineConfig,
+    seed: int,
+    budget: int,
+    warm: Warmup,
+    *,
+    key: str,
+    heldout: Dataset | None = None,
+) -> dict[str, Any]:
+    """Draft-OPD rounds from the warm-up drafter, each round spending budget / rounds."""
+    per_round = max(1, round(budget / cfg.rounds))
+    opd_update: dict[str, Any] = {"seed": seed, "budget_row_steps": per_round, "steps": None}
+    if heldout is not None:
+        opd_update["validations"] = OPD_VALIDATIONS
+    seeded = cfg.model_copy(
+        update={
+            "rollout": cfg.rollout.model_copy(
+                update={"seed": _rollout_seed(cfg.rollout.temperature, seed, cfg)}
+            ),
+            "score": cfg.score.model_copy(update={"seed": seed}),
+            "opd": cfg.opd.model_copy(update=opd_update),
+        }
+    )
+    rounds = chains.opd_rounds(seeded)
+    external = {"prompts": warm.prompts, "sft": warm.drafter, "features": warm.features}
+    if heldout is not None:
+        external["heldout"] = heldout
+        for step in rounds:
+            if step.stage is opd.STAGE:
+                step.inputs["heldout"] = "heldout"
+    out = run.chain(rounds, external, prefix=f"{key}:")
+    final = out[rounds[-1].key]
+    n = range(1, cfg.rounds + 1)
+    opd_sets = [out[f"opd-r{r}"] for r in n]
+    rollouts = [out[f"rollout-r{r}"] for r in n]
+    curve: list[dict[str, Any]] = []
+    start = warm.budget
+    for r, ds in zip(n, opd_sets, strict=True):
+        points = heldout_curve(ds, start) if ds.meta.get("trained") else []
+        # a later round's step-0 point is the previous round's last one (the same drafter)
+        curve += [p | {"round": r} for p in points if r == 1 or p["step"] > 0]
+        start += int(ds.meta.get("budget_row_steps", 0))
+    return {
+        "drafter": str(final.ref),
+        "drafters": [str(d.ref) for d in opd_sets],
+        "steps": [d.meta.get("steps") for d in opd_sets],
+        "budget_row_steps": int(sum(d.meta.get("budget_row_steps", 0) for d in opd_sets)),
+        "replays": [out[f"score-r{r}"].meta.get("replays") for r in n],
+        "rollout_tau": [d.meta.get("tau") for d in rollouts],
+        "rollout_tokens": [d.meta.get("tokens") for d in rollouts],
+        "tau": evaluate_taus(run, f"{key}:opd", cfg, warm.prompts, final),
+        "val": [val_curve(d) for d in opd_sets if d.meta.get("trained")],
+        "heldout_curve": curve,
+    }
+
+
+def sft_arm(
+    run: Runner,
+    cfg: PipelineConfig,
+    seed: int,
+    budget: int,
+    sft_data_temperature: float | None,
+    warm: Warmup,
+    heldout: Dataset,
+) -> dict[str, Any]:
+    """Continued SFT on target sequences of the OPD rounds' prompts, from the warm-up drafter."""
+    data_cfg = sft_data_config(cfg, seed, sft_data_temperature)
+    data = run.stage(
+        f"s{seed}:sft-data",
+        rollout.STAGE,
+        data_cfg,
+        {"prompts": warm.prompts, "drafter": warm.drafter},
+    )
+    sft_cfg = cfg.sft.model_copy(update={"seed": seed, "lr": cfg.opd.lr, "epochs": None})
+    steps = sft_steps_for_budget([data, warm.features], sft_cfg, budget)
+    sft_cfg = sft_cfg.model_copy(update={"steps": steps, "validations": SFT_VALIDATIONS})
+    cont = run.stage(
+        f"s{seed}:sft-continued",
+        sft.STAGE,
+        sft_cfg,
+        {
+            "features": data,
+            "more_features": warm.features,
+            "drafter": warm.drafter,
+            "heldout": heldout,
+        },
+    )
+    return {
+        "drafter": str(cont.ref),
+        "data": str(data.ref),
+        "steps": steps,
+        "budget_row_steps": sft_budget(cont),
+        "data_rollout_tokens": data.meta.get("tokens"),
+        "tau": evaluate_taus(run, f"s{seed}:sft-continued", cfg, warm.prompts, cont),
+        "val": val_curve(cont),
+        "heldout_curve": [p | {"round": None} for p in heldout_curve(cont, warm.budget)],
+    }
+
+
+def save_result(ctx: RunContext, run: Runner, kind: str, result: dict[str, Any]) -> None:
+    """Record the run and save the result JSON under `<root>/_experiments/`."""
+    produced = {k: d.ref for k, d in run.produced().items()}
+    ctx.store.record_run(ctx.run_name, produced)
+    key = hashlib.sha256(
+        canonical_json({k: str(v) for k, v in produced.items()}).encode()
+    ).hexdigest()[:12]
+    path = ctx.store.root / "_experiments" / f"{kind}-{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result["saved_to"] = str(path)
+    path.write_text(json.dumps(result, indent=2))

@@ -1,0 +1,462 @@
+"""`opd experiment opd-vs-sft`: Draft-OPD against continued SFT at matched compute, from one SFT
+warm-up (budgets and arms: pipeline/experiments/common.py).
+
+opd-vs-sft. From ONE SFT warm-up (the full chain's own prompts -> generate -> features -> sft
+steps, so their cached datasets are shared with `opd run full`), for each seed:
+
+  (a) continued SFT: the `sft` stage trains on from the warm-up drafter (its optional `drafter`
+      input) on the original features plus fresh target trajectories (`more_features`): a
+      rollout (speculative decoding is lossless, so these are the target's own sequences; the
+      warm-up drafter only speeds it up) whose features carry the drafter's vocab map, over the
+      same prompts the Draft-OPD rounds draft on (with `rollout.new_prompts_each_round`, all
+      rounds' prompts at once), at the same temperature, so both arms see the same new contexts;
+      `sft_data_temperature` (e.g. 1.0) samples them instead;
+  (b) Draft-OPD: `rounds` rounds of rollout -> score -> opd from the warm-up drafter.
+
+Both arms spend the same drafter budget, counted in drafter forward+backward row-steps: rows of
+the training-time-test unroll x unrolled steps (SFT: every token row x ttt_steps; OPD: the rows
+up to a sequence's last anchor x the replay depth K). Continued SFT runs the fewest steps whose
+row-steps reach the budget; each OPD round gets budget / rounds the same way. Both arms use the
+same peak learning rate (`opd.lr`). Target forwards are not in the budget (OPD runs one rollout
+and one scoring per round, continued SFT one data rollout); their token counts are reported.
+
+The warm-up, continued-SFT and OPD drafters are evaluated on the held-out prompts at T=0 and
+T=1 with the same K (the evaluate stage, same seed for every arm). Where SFT plateaus: both
+arms also validate on the SAME held-out sequences, which neither trains on: a greedy rollout,
+by the warm-up drafter, of exactly the prompts evaluate decodes (the prompts dataset's held-out
+split, first `evaluate.max_prompts`, `evaluate.max_new_tokens`). Greedy decoding is lossless, so
+these are the target's own continuations that T=0 evaluation verifies against: the teacher-
+forced curve ends where the real tau markers are measured, and nothing is ever selected on it
+(no early stopping), so it does not leak into the result. It is the `heldout` input of the sft
+and opd stages; their validations log `heldout_tau_sim` (T=0) and `heldout_tau_expected` (T=1)
+~10 times over continued SFT and a few times per OPD round, against cumulative row-steps.
+
+The result (JSON, also saved under `<root>/_experiments/`) leads with the headline numbers:
+`tau_{arm}` (T=0) and `tau_{arm}_t1` (T=1) as the mean over seeds, with `_per_seed` and `_std`,
+and `opd_over_sft_continued[_t1]`. A report dataset (`experiment@VERSION`: Parquet tables, PNG
+plots and report.md) holds the per-seed table, the tau plot and the plateau plot.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any
+
+import polars as pl
+
+from pipeline.core.report import figure, md_table, png
+from pipeline.core.runner import RunContext
+from pipeline.experiments.common import (
+    ARM_NAMES,
+    ARMS,
+    BUDGET_UNIT,
+    TEMPERATURES,
+    Runner,
+    arm_budget,
+    heldout_config,
+    opd_arm,
+    save_result,
+    seed_stats,
+    sft_arm,
+    suffix,
+    val_curve,
+    warm_up,
+)
+from pipeline.experiments.report import (
+    COLORS,
+    fmt_stats,
+    plot_tau,
+    tau_summary,
+    warm_taus,
+    write_report,
+)
+from pipeline.profiles import PipelineConfig
+from pipeline.stages import rollout
+from storage import Dataset, OpdError
+
+log = logging.getLogger("opd")
+
+
+def opd_vs_sft(
+    cfg: PipelineConfig,
+    ctx: RunContext,
+    *,
+    seeds: int = 3,
+    first_seed: int | None = None,
+    budget: int | None = None,
+    budget_ratio: float = 1.0,
+    sft_data_temperature: float | None = None,
+    prompts: Dataset | None = None,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Run the experiment (see the module docstring); returns the result as JSON-able data.
+
+    `budget` (row-steps per arm) defaults to `budget_ratio` x the warm-up's own budget.
+    `prompts`: use this dataset instead of running the prompts stage. `first_seed` (default
+    `sft.seed`) lets separate processes run disjoint seeds against one root; a later run over
+    all seeds reuses their datasets. `command`: the command line to quote in the report.
+    """
+    if seeds < 1:
+        raise OpdError(f"--seeds must be >= 1, got {seeds}")
+    run = Runner(ctx)
+    warm = warm_up(run, cfg, prompts)
+    budget = arm_budget(warm, budget, budget_ratio)
+    log.info(
+        "[experiment] warm-up %s spent %d row-steps; each arm gets %d",
+        warm.drafter.ref,
+        warm.budget,
+        budget,
+    )
+    heldout = run.stage(
+        "heldout",
+        rollout.STAGE,
+        heldout_config(cfg),
+        {"prompts": warm.prompts, "drafter": warm.drafter},
+    )
+    runs = []
+    first = cfg.sft.seed if first_seed is None else first_seed
+    for seed in range(first, first + seeds):
+        runs.append(
+            {
+                "seed": seed,
+                "sft_continued": sft_arm(
+                    run, cfg, seed, budget, sft_data_temperature, warm, heldout
+                ),
+                "opd": opd_arm(run, cfg, seed, budget, warm, key=f"s{seed}", heldout=heldout),
+            }
+        )
+
+    result: dict[str, Any] = {"experiment": "opd-vs-sft"}
+    for t in TEMPERATURES:
+        s = suffix(t)
+        for arm in ARMS:
+            values = [r[arm]["tau"][str(t)] for r in runs]
+            result[f"tau_{arm}{s}"] = statistics.fmean(values)
+            result[f"tau_{arm}{s}_per_seed"] = values
+            result[f"tau_{arm}{s}_std"] = seed_stats(values)["std"]
+        result[f"opd_over_sft_continued{s}"] = (
+            result[f"tau_opd{s}"] / result[f"tau_sft_continued{s}"]
+        )
+        result[f"opd_over_sft_continued{s}_per_seed"] = [
+            r["opd"]["tau"][str(t)] / r["sft_continued"]["tau"][str(t)] for r in runs
+        ]
+        result[f"tau_sft_warmup{s}"] = warm.tau[str(t)]
+    result |= {
+        "seeds": [r["seed"] for r in runs],
+        "budget_unit": BUDGET_UNIT,
+        "budget_row_steps": budget,
+        "k": cfg.drafting.k,
+        "temperatures": list(TEMPERATURES),
+        "rounds": cfg.rounds,
+        "opd_train_temperature": cfg.rollout.temperature,
+        "sft_data_temperature": cfg.rollout.temperature
+        if sft_data_temperature is None
+        else sft_data_temperature,
+        "lr": cfg.opd.lr,
+        "heldout_prompts": cfg.evaluate.max_prompts,
+        "heldout_sequences": str(heldout.ref),
+        "warmup": {
+            "drafter": str(warm.drafter.ref),
+            "budget_row_steps": warm.budget,
+            "tau": warm.tau,
+            "val": val_curve(warm.drafter),
+        },
+        "runs": runs,
+    }
+    report = _opd_vs_sft_report(ctx, run, result, command)
+    result["report"] = str(report.ref)
+    result["report_md"] = str(report.path / "report.md")
+    save_result(ctx, run, "opd-vs-sft", result)
+    return result
+
+
+def _tau_table(result: dict[str, Any]) -> pl.DataFrame:
+    """One row per (arm, seed, temperature): the evaluated tau (the warm-up has no seed)."""
+    rows = [
+        {
+            "arm": "sft_warmup",
+            "seed": None,
+            "temperature": t,
+            "tau": result["warmup"]["tau"][str(t)],
+        }
+        for t in TEMPERATURES
+    ]
+    rows += [
+        {"arm": arm, "seed": r["seed"], "temperature": t, "tau": r[arm]["tau"][str(t)]}
+        for r in result["runs"]
+        for arm in ARMS
+        for t in TEMPERATURES
+    ]
+    return pl.DataFrame(
+        rows,
+        schema={"arm": pl.String, "seed": pl.Int64, "temperature": pl.Float64, "tau": pl.Float64},
+    )
+
+
+def _curve_table(result: dict[str, Any]) -> pl.DataFrame:
+    """One row per held-out validation: arm, seed, round, step, cumulative row-steps, taus."""
+    schema = {
+        "arm": pl.String,
+        "seed": pl.Int64,
+        "round": pl.Int64,
+        "step": pl.Int64,
+        "row_steps": pl.Int64,
+        "tau_sim": pl.Float64,
+        "tau_expected": pl.Float64,
+        "tau_chain": pl.Float64,
+    }
+    rows = [
+        {"arm": arm, "seed": r["seed"]} | p
+        for r in result["runs"]
+        for arm in ARMS
+        for p in r[arm]["heldout_curve"]
+    ]
+    return pl.DataFrame(rows, schema=schema)
+
+
+def _mean_curve(points: list[list[tuple[float, float]]]) -> tuple[list[float], list[float]]:
+    """Mean over seeds of curves aligned by validation index (every seed validates at the same
+    steps of its run; their row-steps differ slightly), as long as the shortest one."""
+    n = min(len(p) for p in points)
+    xs = [statistics.fmean(p[i][0] for p in points) for i in range(n)]
+    ys = [statistics.fmean(p[i][1] for p in points) for i in range(n)]
+    return xs, ys
+
+
+def plot_plateau(curves: pl.DataFrame, result: dict[str, Any]) -> bytes:
+    """Held-out teacher-forced tau vs cumulative drafter row-steps, per arm (mean line, thin
+    per-seed lines), with the evaluated tau of the warm-up and of each arm's final drafter."""
+    fig = figure(11.0, 4.8)
+    axes = fig.subplots(1, 2)
+    warm = result["warmup"]
+    panels = (
+        (0.0, "tau_sim", "T=0: teacher-forced τ (greedy acceptance)"),
+        (1.0, "tau_expected", "T=1: teacher-forced expected τ (Σ min(p, q))"),
+    )
+    last = max(
+        warm["budget_row_steps"] + r[a]["budget_row_steps"] for r in result["runs"] for a in ARMS
+    )
+    scale, unit = (1e6, "millions") if last >= 1e6 else (1e3, "thousands")
+    for ax, (t, column, title) in zip(axes, panels, strict=True):
+        for arm in ARMS:
+            color = COLORS[arm]
+            per_seed = []
+            for r in result["runs"]:
+                c = curves.filter((pl.col("arm") == arm) & (pl.col("seed") == r["seed"]))
+                xy = [(x / scale, y) for x, y in zip(c["row_steps"], c[column], strict=True)]
+                if xy:
+                    per_seed.append(xy)
+                    ax.plot(*zip(*xy, strict=True), color=color, lw=0.8, alpha=0.35)
+            if per_seed:
+                xs, ys = _mean_curve(per_seed)
+                ax.plot(
+                    xs,
+                    ys,
+                    "-",
+                    color=color,
+                    lw=2.2,
+                    label=f"{ARM_NAMES[arm]}: held-out, teacher-forced",
+                )
+            ends = [
+                (warm["budget_row_steps"] + r[arm]["budget_row_steps"]) / scale
+                for r in result["runs"]
+            ]
+            taus = [r[arm]["tau"][str(t)] for r in result["runs"]]
+            ax.errorbar(
+                statistics.fmean(ends),
+                statistics.fmean(taus),
+                yerr=statistics.stdev(taus) if len(taus) > 1 else 0.0,
+                fmt="s",
+                ms=8,
+                color=color,
+                mec="k",
+                capsize=4,
+                label=f"{ARM_NAMES[arm]}: evaluated τ (decoding)",
+            )
+        ax.plot(
+            warm["budget_row_steps"] / scale,
+            warm["tau"][str(t)],
+            "D",
+            ms=8,
+            color=COLORS["sft_warmup"],
+            mec="k",
+            label="SFT warm-up: evaluated τ",
+        )
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(f"drafter row-steps, warm-up + continued ({unit})")
+        ax.set_ylabel("τ (tokens per target forward)")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=8)
+    fig.suptitle(
+        "Where continued SFT flattens: both arms from the same warm-up, on the same held-out "
+        "sequences",
+        fontsize=11,
+    )
+    return png(fig)
+
+
+def _at(per_seed: list[pl.DataFrame], share: float, column: str) -> float:
+    """Mean over seeds of `column` at the validation `share` of the way through each run."""
+    return statistics.fmean(
+        g[column][min(len(g) - 1, round(share * (len(g) - 1)))] for g in per_seed
+    )
+
+
+def _plateau_table(curves: pl.DataFrame) -> pl.DataFrame:
+    """Per arm (mean over seeds): held-out teacher-forced tau at the start, half-way and the end
+    of its budget, and what the second half added (a plateau adds ~0)."""
+    rows = []
+    for arm in ARMS:
+        c = curves.filter(pl.col("arm") == arm)
+        if c.is_empty():
+            continue
+        per_seed = [g.sort("row_steps") for _, g in c.group_by("seed", maintain_order=True)]
+        rows.append(
+            {
+                "arm": arm,
+                "tau_sim_start": _at(per_seed, 0.0, "tau_sim"),
+                "tau_sim_half": _at(per_seed, 0.5, "tau_sim"),
+                "tau_sim_end": _at(per_seed, 1.0, "tau_sim"),
+                "second_half_gain": _at(per_seed, 1.0, "tau_sim") - _at(per_seed, 0.5, "tau_sim"),
+                "tau_expected_end": _at(per_seed, 1.0, "tau_expected"),
+            }
+        )
+    return pl.DataFrame(rows)
+
+
+def _markdown(
+    result: dict[str, Any],
+    tau: pl.DataFrame,
+    plateau: pl.DataFrame,
+    command: str | None,
+) -> str:
+    """report.md: the headline table, the plateau evidence and the datasets behind them."""
+    warm = result["warmup"]
+    lines = [
+        "# Draft-OPD vs continued SFT at matched compute",
+        "",
+        *([f"Made by `{command}`.", ""] if command else []),
+        f"K={result['k']}, {result['rounds']} Draft-OPD round(s), seeds "
+        f"{', '.join(map(str, result['seeds']))}, lr {result['lr']:g}. Each arm spends "
+        f"**{result['budget_row_steps']:,}** {BUDGET_UNIT}; the SFT warm-up "
+        f"`{warm['drafter']}` spent {warm['budget_row_steps']:,}. τ is evaluated on "
+        f"{result['heldout_prompts']} held-out prompts.",
+        "",
+        "## τ on held-out prompts",
+        "",
+        "| T | SFT warm-up | continued SFT | Draft-OPD | OPD / SFT | OPD / SFT per seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in TEMPERATURES:
+        s = suffix(t)
+        ratios = ", ".join(f"{v:.3f}" for v in result[f"opd_over_sft_continued{s}_per_seed"])
+        lines.append(
+            f"| {t:g} | {result[f'tau_sft_warmup{s}']:.3f} "
+            f"| {fmt_stats(result[f'tau_sft_continued{s}_per_seed'])} "
+            f"| {fmt_stats(result[f'tau_opd{s}_per_seed'])} "
+            f"| {result[f'opd_over_sft_continued{s}']:.3f} | {ratios} |"
+        )
+    lines += [
+        "",
+        "Mean ± sample std over seeds; per-seed values in `tau.parquet` (below).",
+        "",
+        "![tau per arm](tau.png)",
+        "",
+        md_table(tau),
+        "",
+        "## Where SFT plateaus: held-out τ against drafter row-steps",
+        "",
+        "Both arms validate on the same held-out sequences, which neither trains on: the "
+        f"target's greedy continuations (`{result['heldout_sequences']}`) of the prompts "
+        "evaluate decodes. Lines: teacher-forced τ of the drafter at each validation (thin: "
+        "one seed; thick: mean over seeds), at the row-steps spent so far (OPD cumulative "
+        "over its rounds); squares: the evaluated τ (real decoding) of each arm's final "
+        "drafter; diamond: the warm-up's. The teacher-forced τ (per-step acceptance over "
+        "every position of the sequences) and the decoded τ (over the positions where "
+        "decoding's blocks start) differ in level: compare slopes along a line, and "
+        "squares with each other.",
+        "",
+        "![held-out tau vs row-steps](plateau.png)",
+        "",
+        md_table(plateau),
+        "",
+        "Every point: `heldout_curve.parquet`.",
+        "",
+        "## Datasets",
+        "",
+        f"- warm-up drafter `{warm['drafter']}`, held-out sequences "
+        f"`{result['heldout_sequences']}`",
+        *(
+            f"- seed {r['seed']}: continued SFT `{r['sft_continued']['drafter']}`, "
+            f"Draft-OPD `{r['opd']['drafter']}`"
+            for r in result["runs"]
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _opd_vs_sft_report(
+    ctx: RunContext, run: Runner, result: dict[str, Any], command: str | None
+) -> Dataset:
+    tau = _tau_table(result)
+    curves = _curve_table(result)
+    plateau = _plateau_table(curves)
+    labeled = tau.with_columns(pl.col("arm").replace_strict(ARM_NAMES).alias("label"))
+    warm = result["warmup"]
+
+    def markdown() -> str:
+        return _markdown(result, tau, plateau, command)
+
+    config = {
+        "experiment": "opd-vs-sft",
+        "seeds": result["seeds"],
+        "budget_row_steps": result["budget_row_steps"],
+        "sft_data_temperature": result["sft_data_temperature"],
+    }
+    headline = {k: v for k, v in result.items() if k.startswith(("tau_", "opd_over_"))}
+    return write_report(
+        ctx,
+        "opd-vs-sft",
+        config,
+        run.produced(),
+        {
+            "tau": tau,
+            "tau_summary": tau_summary(tau, ["arm"]),
+            "heldout_curve": curves,
+            "plateau": plateau,
+        },
+        {
+            "tau": lambda: plot_tau(
+                labeled,
+                [ARM_NAMES[a] for a in ARMS],
+                "Draft-OPD vs continued SFT",
+                warm_taus(warm),
+            ),
+            "plateau": lambda: plot_plateau(curves, result),
+        },
+        markdown,
+        headline,
+    )
+
+
+def summary_text(result: dict[str, Any]) -> str:
+    """A short human-readable table of the result."""
+    lines = [
+        f"opd-vs-sft: K={result['k']}, {result['rounds']} OPD round(s), "
+        f"{len(result['seeds'])} seed(s), budget {result['budget_row_steps']} row-steps per arm",
+        f"  ({result['budget_unit']})",
+        f"{'T':>5} {'warm-up':>9} {'cont. SFT':>18} {'Draft-OPD':>18} {'OPD/SFT':>8}",
+    ]
+    for t in result["temperatures"]:
+        s = suffix(t)
+        sft_s = f"{result[f'tau_sft_continued{s}']:.3f} ± {result[f'tau_sft_continued{s}_std']:.3f}"
+        opd_s = f"{result[f'tau_opd{s}']:.3f} ± {result[f'tau_opd{s}_std']:.3f}"
+        lines.append(
+            f"{t:>5} {result[f'tau_sft_warmup{s}']:>9.3f} {sft_s:>18} {opd_s:>18} "
+            f"{result[f'opd_over_sft_continued{s}']:>8.3f}"
+        )
+    lines.append(f"report: {result['report_md']}")
+    lines.append(f"saved to {result['saved_to']}")
+    return "\n".join(lines)

@@ -1,0 +1,397 @@
+"""Stage `evaluate`: speculative decoding on held-out prompts; τ, n-α and wall-clock speed-up.
+
+Consumes `prompts` (the held-out split by default) and a drafter (`sft` or `opd`), with the
+target. Produces `eval`: `steps.parquet` (one row per verify step: sequence, step, anchor,
+drafted, accepted, emitted), `drafts.parquet` (one row per drafted token: offset, token, q, p,
+accept probability, outcome, the target's token) and, in the manifest's meta, the headline
+numbers: τ (mean of accepted + 1 per verify step, the EAGLE/vLLM convention), α per offset
+(acceptance given the offset was reached), target forwards per emitted token, and tokens/s of
+speculative decoding against plain target decoding timed in the same run on the same prompts.
+At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`).
+
+With `drafting.tree` set it decodes on EAGLE-2 dynamic trees (models/eagle3/propose.py; the one loop in models/decoding.py verifies them):
+`drafts.parquet` then has one row per tree node (plus node, parent and confidence; offset is
+the node's depth), `steps.parquet` the row's depth budget, and α is per depth (a step that
+reached depth d-1 accepting a node at depth d), since siblings make per-draft rates moot.
+
+With `backend=vllm` the drafter's export also runs inside vLLM on the same prompts, K and
+temperature, adding `tau_vllm` (from vLLM's spec-decode counters) and, at T=0, `vllm_lossless`
+and `vllm_matches_project` (see models/vllm_engine.measure_speculation); τ, α and the logs stay
+the project decoder's, which records every draft.
+
+Sharded under `opd run --nproc N` (or a Prefect fan-out): rank r decodes the r-th contiguous
+run of whole batches, so each batch is decoded exactly as one process decodes it, and writes its
+rows and sums into `ranks/R-of-N/` (kept for a re-run if another rank fails); rank 0 waits for
+every rank, concatenates the rows in prompt order into the same two files one process writes,
+computes every number from them (τ from all verify steps, never a mean of per-rank τs), drops
+`ranks/` and commits one dataset: its rows, τ, α and `lossless_t0` equal one process's.
+Tokens/s are per process (all ranks' tokens over their summed decoding seconds), so speed-up
+compares both decoders on the same machines.
+
+One process decodes in one pass (not resumable mid-way); wall-clock numbers vary between runs,
+so re-running a version is skipped unless forced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import polars as pl
+import torch
+from pydantic import Field
+
+from models import vllm_engine
+from models.decoding import (
+    depth_alpha,
+    target_generate,
+)
+from pipeline.core.config import DraftTree, StrictConfig, optional_field, runtime_field
+from pipeline.core.decoders import check_tree_setting, decoder
+from pipeline.core.drafters import load_drafter_dataset
+from pipeline.core.runner import RunContext
+from pipeline.core.stage import DRAFTER_DATASETS, Stage
+from pipeline.core.targets import resolve_dtype
+from storage import Dataset, DatasetWriter, OpdError
+
+log = logging.getLogger("opd")
+
+
+class Config(StrictConfig):
+    split: Literal["train", "heldout"] = "heldout"
+    max_prompts: int = Field(64, ge=1)
+    k: int = Field(6, ge=1)
+    """Drafted tokens per verify step; set through `drafting.k`."""
+    tree: DraftTree | None = optional_field("decode on draft trees; set through `drafting.tree`")
+    temperature: float = Field(0.0, ge=0.0)
+    max_new_tokens: int = Field(128, ge=1)
+    batch_size: int = Field(1, ge=1)
+    """1 = the latency setting in which EAGLE and vLLM report speed-ups; larger batches
+    finish faster on CPU but hide the per-sequence speed-up."""
+    seed: int = 0
+    measure_baseline: bool = runtime_field(True, "time plain target decoding for the speed-up")
+    backend: Literal["hf", "vllm"] = "hf"
+    """`vllm`: also measure the exported drafter inside vLLM (needs the `vllm` extra)."""
+    untrained_contrast: bool = True
+    """Also measure a freshly initialised drafter (same config and vocab map) on the same
+    prompts, so τ is read against what training bought."""
+
+
+def _prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
+    rows = (
+        prompts.scan()
+        .filter(pl.col("split") == cfg.split)
+        .head(cfg.max_prompts)
+        .select("prompt_ids")
+        .collect()["prompt_ids"]
+        .to_list()
+    )
+    if not rows:
+        raise OpdError(f"{prompts.ref} has no {cfg.split!r} prompts to evaluate on")
+    return rows
+
+
+def divergence(target, prompt: list[int], spec: list[int], base: list[int]) -> dict:
+    """Where two greedy continuations first differ, and the target's top-2 logit gap there."""
+    at = next(
+        (i for i, (x, y) in enumerate(zip(spec, base, strict=False)) if x != y),
+        min(len(spec), len(base)),
+    )
+    ids = torch.tensor([prompt + base[:at]], device=target.device)
+    top2 = target(ids).logits[0, -1].float().topk(2).values
+    return {"position": at, "top2_logit_gap": float(top2[0] - top2[1])}
+
+
+@dataclass
+class Decoded:
+    """One share of the prompts decoded: its rows (sequence = index among all the prompts) and
+    the sums every number is computed from."""
+
+    steps: pl.DataFrame
+    drafts: pl.DataFrame
+    sums: dict[str, float] = field(default_factory=dict)  # seconds and tokens of both decoders
+    mismatches: list[dict] = field(default_factory=list)  # T=0: where spec and plain differ
+    sequences: list[list[int]] = field(default_factory=list)
+
+    @staticmethod
+    def concat(parts: list[Decoded]) -> Decoded:
+        """The shares, in prompt order, as one."""
+        sums: dict[str, float] = {}
+        for part in parts:
+            for key, value in part.sums.items():
+                sums[key] = sums.get(key, 0) + value
+        return Decoded(
+            pl.concat([p.steps for p in parts if p.steps.height]),
+            pl.concat([p.drafts for p in parts if p.drafts.height]),
+            sums,
+            [m for p in parts for m in p.mismatches],
+            [s for p in parts for s in p.sequences],
+        )
+
+
+def evaluate(
+    target,
+    drafter,
+    prompts: list[list[int]],
+    cfg: Config,
+    progress: bool = False,
+    *,
+    first: int = 0,
+) -> Decoded:
+    """Run both decoders over `prompts` (prompts `first`.. of the evaluation) in batches."""
+    from tqdm import tqdm
+
+    decode = decoder(cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, cfg.seed)
+    records: dict[str, list] = {}
+    steps: dict[str, list] = {}
+    out = Decoded(pl.DataFrame(), pl.DataFrame())
+    sums = dict.fromkeys(("spec_tokens", "spec_s", "target_s", "drafter_s"), 0.0)
+    if cfg.measure_baseline:
+        sums |= {"base_tokens": 0.0, "base_s": 0.0}
+    for b in tqdm(range(0, len(prompts), cfg.batch_size), desc="evaluate", disable=not progress):
+        batch = prompts[b : b + cfg.batch_size]
+        t0 = time.perf_counter()
+        res = decode(target, drafter, batch)
+        sums["spec_s"] += time.perf_counter() - t0
+        sums["spec_tokens"] += sum(len(s) for s in res.sequences)
+        out.sequences += res.sequences
+        sums["target_s"] += res.stats["target_forward_seconds"]
+        sums["drafter_s"] += res.stats["drafter_forward_seconds"]
+        # a chain's drafts.parquet leaves the drafter's confidence out: a raw float of the
+        # drafter's forward, its last digits differ between thread counts, and the rows are
+        # byte-identical for any number of evaluate processes (trees always logged it)
+        chain_records = {k: v for k, v in res.records.items() if k != "confidence"}
+        for cols, into in (
+            (chain_records if cfg.tree is None else res.records, records),
+            (res.steps, steps),
+        ):
+            for key, values in cols.items():
+                if key == "sequence":
+                    values = [v + first + b for v in values]
+                into.setdefault(key, []).extend(values)
+        if cfg.measure_baseline:
+            t0 = time.perf_counter()
+            base = target_generate(target, batch, cfg.max_new_tokens, cfg.temperature, cfg.seed)
+            sums["base_s"] += time.perf_counter() - t0
+            sums["base_tokens"] += sum(len(s) for s in base.sequences)
+            if cfg.temperature == 0:
+                pairs = zip(res.sequences, base.sequences, strict=True)
+                for i, (spec, plain) in enumerate(pairs):
+                    if spec != plain:
+                        where = divergence(target, batch[i], spec, plain)
+                        out.mismatches.append(where | {"prompt": first + b + i})
+    out.steps, out.drafts, out.sums = pl.DataFrame(steps), pl.DataFrame(records), sums
+    return out
+
+
+def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
+    """The headline numbers of all the prompts' rows and sums."""
+    step_df, draft_df, sums = out.steps, out.drafts, out.sums
+    tau = float((step_df["accepted"] + 1).mean())
+    if cfg.tree is None:
+        alpha = (
+            draft_df.filter(pl.col("outcome") != "not_reached")
+            .group_by("offset")
+            .agg((pl.col("outcome") == "accepted").mean().alias("alpha"))
+            .sort("offset")["alpha"]
+            .to_list()
+        )
+    else:
+        alpha = depth_alpha(
+            step_df["accepted"].to_torch(), step_df["depth"].to_torch(), cfg.tree.depth
+        )
+    stats = {
+        "tau": tau,
+        "alpha": alpha,
+        "k": cfg.k,
+        **({"tree": cfg.tree.model_dump()} if cfg.tree else {}),
+        "temperature": cfg.temperature,
+        "prompts": prompts,
+        "verify_steps": step_df.height,
+        "emitted_tokens": int(step_df["emitted"].sum()),
+        "target_forwards_per_token": step_df.height / max(1, int(step_df["emitted"].sum())),
+        "tokens_per_s": sums["spec_tokens"] / sums["spec_s"],
+        "decode_overhead_share": 1 - (sums["target_s"] + sums["drafter_s"]) / sums["spec_s"],
+    }
+    if cfg.measure_baseline:
+        stats["baseline_tokens_per_s"] = sums["base_tokens"] / sums["base_s"]
+        stats["speedup"] = stats["tokens_per_s"] / stats["baseline_tokens_per_s"]
+        if cfg.temperature == 0:
+            stats["lossless_t0"] = not out.mismatches
+            # Batched and single-row float math can order two near-equal logits differently; the
+            # target's top-2 gap at each first divergence tells such a tie from a real bug.
+            stats["t0_mismatches"] = out.mismatches
+    return stats
+
+
+# vLLM and this project decode the same way at T=0; past this relative gap τ is worth a look.
+TAU_VLLM_TOLERANCE = 0.10
+
+
+def vllm_stats(
+    cfg: Config,
+    drafter: Dataset,
+    ctx: RunContext,
+    prompts: list[list[int]],
+    sequences: list[list[int]],
+    tau: float,
+) -> dict:
+    """The drafter's export run inside vLLM (see `Config.backend`), with a note when its τ
+    differs from the project decoder's by more than TAU_VLLM_TOLERANCE."""
+    from pipeline.export import ensure_export
+
+    loader = ctx.target_loader
+    if loader.directory is None:
+        raise OpdError(
+            "evaluate.backend=vllm needs a target directory; target.path=random is not one"
+        )
+    try:
+        stats = vllm_engine.measure_speculation(
+            vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(loader.cfg), seed=cfg.seed),
+            str(ensure_export(drafter, loader, ctx.store.root, cfg.k)),
+            cfg.k,
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            stop_ids=loader.target.eos_token_ids,
+            reference=sequences,
+        )
+    except vllm_engine.VllmError as e:
+        raise OpdError(f"evaluate.backend=vllm: {e}") from None
+    gap = stats["tau_vllm"] / tau - 1
+    if abs(gap) > TAU_VLLM_TOLERANCE:
+        why = (
+            "vLLM drafts greedily and accepts a draft with the target's probability of it, where "
+            "this project samples drafts at the temperature"
+            if cfg.temperature > 0
+            else "not expected at T=0 (same drafter, prompts and K): check vllm_lossless"
+        )
+        stats["tau_vllm_note"] = (
+            f"tau_vllm differs from tau by {gap:+.1%}: {why} (README: tau inside vLLM)"
+        )
+    return stats
+
+
+RANKS_DIR = "ranks"
+"""Each rank's share of a sharded evaluation, merged into the dataset's files and dropped."""
+
+
+def _share(n_prompts: int, batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Prompts [lo, hi) of `rank`: a contiguous run of whole batches, so every batch decodes as
+    it does in one process and concatenating the ranks' rows in rank order is prompt order."""
+    batches = -(-n_prompts // batch_size)
+    lo, hi = (batches * r // world_size for r in (rank, rank + 1))
+    return min(lo * batch_size, n_prompts), min(hi * batch_size, n_prompts)
+
+
+def _part_dir(rank: int, world_size: int) -> str:
+    return f"{RANKS_DIR}/{rank}-of-{world_size}"
+
+
+def _write_part(output: DatasetWriter, where: str, parts: dict[str, Decoded]) -> None:
+    """A rank's decoded share; its sums file is written last and marks it complete."""
+    sums: dict[str, Any] = {}
+    for name, part in parts.items():
+        if part.steps.height:
+            output.write_parquet(f"{where}/{name}-steps.parquet", part.steps.to_arrow())
+            output.write_parquet(f"{where}/{name}-drafts.parquet", part.drafts.to_arrow())
+        sums[name] = {"sums": part.sums, "mismatches": part.mismatches, "sequences": part.sequences}
+    output.write_bytes(f"{where}/sums.json", json.dumps(sums).encode())
+
+
+def _read_part(output: DatasetWriter, where: str) -> dict[str, Decoded]:
+    sums = json.loads((output.dir / where / "sums.json").read_text())
+    parts = {}
+    for name, s in sums.items():
+        tables = [output.dir / where / f"{name}-{t}.parquet" for t in ("steps", "drafts")]
+        steps, drafts = (pl.read_parquet(t) if t.exists() else pl.DataFrame() for t in tables)
+        parts[name] = Decoded(steps, drafts, s["sums"], s["mismatches"], s["sequences"])
+    return parts
+
+
+def _decode(
+    target, drafter, prompts, cfg: Config, first: int, progress: bool
+) -> dict[str, Decoded]:
+    """The trained drafter's decoding of `prompts` (and the untrained contrast's, when on)."""
+    torch.manual_seed(cfg.seed)
+    parts = {"trained": evaluate(target, drafter, prompts, cfg, progress, first=first)}
+    if cfg.untrained_contrast:
+        torch.manual_seed(cfg.seed)
+        untrained = drafter.untrained().eval()
+        quick = cfg.model_copy(update={"measure_baseline": False})
+        parts["untrained"] = evaluate(target, untrained, prompts, quick, first=first)
+    return parts
+
+
+def run(
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    output: DatasetWriter,
+    rank: int,
+    world_size: int,
+    ctx: RunContext,
+) -> dict:
+    if cfg.tree is not None and cfg.backend == "vllm":
+        raise OpdError(
+            "evaluate.backend=vllm with drafting.tree: vLLM serves EAGLE-3 on a static "
+            "speculative_token_tree, not EAGLE-2's dynamic trees (README: draft trees); "
+            "evaluate trees with backend=hf"
+        )
+    target = ctx.target_loader.target
+    drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity)
+    prompts = _prompt_ids(inputs["prompts"], cfg)
+    check_tree_setting(target, cfg.tree, prompts, cfg.max_new_tokens)
+    if world_size == 1:
+        merged = _decode(target, drafter, prompts, cfg, 0, ctx.progress)
+    else:
+        lo, hi = _share(len(prompts), cfg.batch_size, rank, world_size)
+        where = _part_dir(rank, world_size)
+        if not output.has_shard(f"{where}/sums.json"):
+            _write_part(
+                output, where, _decode(target, drafter, prompts[lo:hi], cfg, lo, ctx.progress)
+            )
+        if rank != 0:
+            return {}
+        output.wait_for_ranks()
+        shares = [_read_part(output, _part_dir(r, world_size)) for r in range(world_size)]
+        merged = {name: Decoded.concat([s[name] for s in shares]) for name in shares[0]}
+    output.discard(RANKS_DIR)  # shares merged (or left by an earlier launch of other ranks)
+    out = merged["trained"]
+    stats = summarize(out, cfg, len(prompts))
+    if cfg.backend == "vllm":
+        stats |= vllm_stats(cfg, inputs["drafter"], ctx, prompts, out.sequences, stats["tau"])
+    if cfg.untrained_contrast:
+        quick = cfg.model_copy(update={"measure_baseline": False})
+        base = summarize(merged["untrained"], quick, len(prompts))
+        stats |= {"tau_untrained": base["tau"], "alpha_untrained": base["alpha"]}
+    output.write_parquet("steps.parquet", out.steps.rechunk().to_arrow())
+    output.write_parquet("drafts.parquet", out.drafts.rechunk().to_arrow())
+    alpha = " ".join(f"{a:.2f}" for a in stats["alpha"])
+    speed = f", {stats['speedup']:.2f}x plain decoding" if "speedup" in stats else ""
+    log.info(
+        "[evaluate] tau=%.3f alpha=[%s] T=%s %s%s",
+        stats["tau"],
+        alpha,
+        cfg.temperature,
+        f"K={cfg.k}" if cfg.tree is None else f"tree={cfg.tree.model_dump()}",
+        speed,
+    )
+    return stats | {"drafter": str(inputs["drafter"].ref)}
+
+
+STAGE = Stage(
+    name="evaluate",
+    output="eval",
+    version="1",
+    config=Config,
+    run=run,
+    doc="speculative decoding on held-out prompts: tau, per-position acceptance, speed-up",
+    inputs={"prompts": ("prompts",), "drafter": DRAFTER_DATASETS},
+    default_inputs={"drafter": "sft@latest"},
+    drafting={"k": "k", "tree": "tree"},
+    sharded=True,
+)

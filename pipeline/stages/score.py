@@ -1,0 +1,376 @@
+"""Stage 5, `score`: replay drafting from the rollout's error positions; the target scores it.
+
+Consumes `rollouts` and a drafter (`sft` or `opd`), with the target. The drafter must be the one
+that produced the rollout or a newer one with the same draft-vocab map (d2t/t2d are compared
+with the rollout's `draft_vocab.safetensors`), and both must come from this target.
+
+Anchors (per sequence): every verify step's first rejected position (`anchors="rejected"`),
+plus accepted positions sampled so that their number is `accepted_share` x the number of
+rejected anchors (stochastic rounding, without replacement, at most all accepted positions);
+then, if `max_anchors_per_seq` is set and exceeded, a uniform sample of that many of the union.
+A sequence without a rejection therefore gets no anchor, and a rollout without any rejection
+(a drafter that was never wrong) gives an empty `replays` dataset, meta {"anchors": 0, ...},
+with a clear log message. All sampling is seeded by (seed, seq_id): any sharding or resume
+gives the same bytes.
+
+Tree rollouts (`drafting.tree`) log every tree node; a position with a rejected node is one
+where the drafter's most confident token there was wrong (siblings are tried in confidence
+order), i.e. where its own chain would have failed, so the anchors are read the same way and
+each replay is tree.depth tokens deep. The replays are chains on purpose: a tree step accepts
+the chain's path whenever the top-1 token is right, and a better top-1 ranking is what lifts
+every depth of the tree (README: draft trees).
+
+Replay of anchor e (sample j): the CURRENT drafter drafts y-hat_1..y-hat_K from the prefix y<e,
+exactly as the decoder would: row e-2 reads the rollout's target feature f_{e-2} and y_{e-1},
+then K-1 chain steps read only the drafter's own hidden states and tokens. All anchors and
+samples of a sequence share ONE drafter pass over the prefix rows; their chains advance
+together, one batched forward per step, each seeing the prefix rows <= e-2 and its own chain
+keys through the attention mask (`Drafter.replay`). Then the target scores
+every replayed token of the sequence in ONE tree-masked forward (`Target.score_tree`: the
+sequence once plus E x n x K branch tokens), instead of one full-prefix forward per anchor.
+
+Output, per rollout shard i, `replays-{i:05d}.arrow` (Arrow IPC, one row per (sequence,
+anchor, sample), in sequence, anchor, sample order; schema `replay_schema(H)`):
+  seq_id, shard (the rollout features shard holding the sequence), row (its row in that shard),
+  anchor (e), kind ("rejected" | "accepted": where the anchor came from), sample (j),
+  tokens [K] int32 (y-hat, target ids), logq [K] float32 (log q(y-hat_k) under the drafter at
+  the replay temperature; 0 at T=0, where q is one-hot), p_token [K] float32 (the target's
+  p(y-hat_k) at the temperature; one-hot 1/0 at T=0), accept_prob [K] (min(1, p/q); 1/0 at T=0),
+  reach_prob [K] (prod_{i<k} accept_prob_i), length (K, or up to and including the first
+  drafted EOS: a decoder ends the block there, so later tokens are never verified),
+  teacher_hidden [K, H] bf16 (the target's post-norm last hidden at the state predicting
+  y-hat_k: softmax(lm_head(teacher_hidden_k) / T) is the target's FULL distribution there).
+Plus `draft_vocab.safetensors`, copied unchanged. Resumes: completed shards are skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Literal
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor
+from tqdm import tqdm
+
+from models.drafter import Drafter
+from models.target import Target
+from pipeline.core.checks import VOCAB_FILE, check_drafter_vocab, check_same_target
+from pipeline.core.config import DraftTree, StrictConfig, optional_field
+from pipeline.core.drafters import load_drafter_dataset
+from pipeline.core.rollouts import shard_files
+from pipeline.core.runner import RunContext
+from pipeline.core.stage import DRAFTER_DATASETS, Stage
+from storage import Dataset, DatasetWriter, read_tensor_column, tensor_array, tensor_field
+
+log = logging.getLogger("opd")
+
+
+class Config(StrictConfig):
+    anchors: Literal["rejected"] = "rejected"
+    """Where replays start: each verify step's first rejected position."""
+    accepted_share: float = Field(0.1, ge=0)
+    """Additional anchors from accepted positions, as a share of the rejected anchors."""
+    max_anchors_per_seq: int | None = Field(None, ge=1)
+    """Anchor budget per sequence (a uniform sample of the selected ones); None = all."""
+    samples: int = Field(1, ge=1)
+    """Replays per anchor; forced to 1 at temperature 0 (greedy replays are identical)."""
+    k: int = Field(6, ge=1)
+    """Replay depth: drafted tokens per replay; set through `drafting.k`."""
+    tree: DraftTree | None = optional_field(
+        "set through `drafting.tree`: the rollouts were decoded on trees, and replays are "
+        "tree.depth tokens deep (the most a tree step accepts) instead of K"
+    )
+    temperature: float = Field(0.0, ge=0)
+    """The serving temperature: drafts are sampled from q and scored against p at it."""
+    seed: int = 0
+    round: int = Field(1, ge=1)
+    """Draft-OPD round; part of the version, so each round's replays are their own dataset."""
+
+    @property
+    def depth(self) -> int:
+        """Tokens per replay: the tree's depth when decoding on trees, else K."""
+        return self.k if self.tree is None else self.tree.depth
+
+    @model_validator(mode="before")
+    @classmethod
+    def _greedy_single_sample(cls, data: Any) -> Any:
+        if (
+            isinstance(data, dict)
+            and data.get("temperature", 0.0) == 0
+            and data.get("samples", 1) != 1
+        ):
+            log.info("[score] temperature 0: greedy replays are identical; using samples=1")
+            data = {**data, "samples": 1}
+        return data
+
+
+def replay_schema(hidden: int) -> pa.Schema:
+    return pa.schema(
+        [
+            pa.field("seq_id", pa.string()),
+            pa.field("shard", pa.string()),
+            pa.field("row", pa.int32()),
+            pa.field("anchor", pa.int32()),
+            pa.field("kind", pa.string()),
+            pa.field("sample", pa.int32()),
+            pa.field("tokens", pa.list_(pa.int32())),
+            pa.field("logq", pa.list_(pa.float32())),
+            pa.field("p_token", pa.list_(pa.float32())),
+            pa.field("accept_prob", pa.list_(pa.float32())),
+            pa.field("reach_prob", pa.list_(pa.float32())),
+            pa.field("length", pa.int32()),
+            tensor_field("teacher_hidden", torch.bfloat16, hidden),
+        ]
+    )
+
+
+# -- anchors and scoring -----------------------------------------------------------------------
+
+
+def _seed_of(seed: int, seq_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{seq_id}".encode()).digest()[:8], "little") >> 1
+
+
+def select_anchors(
+    rejected: list[int], accepted: list[int], cfg: Config, rng: np.random.Generator
+) -> list[tuple[int, str]]:
+    """(position, kind) anchors of one sequence, sorted by position (see the module docstring)."""
+    want = cfg.accepted_share * len(rejected)
+    n_acc = min(int(want) + int(rng.random() < want - int(want)), len(accepted))
+    extra = rng.choice(np.asarray(accepted, dtype=np.int64), n_acc, replace=False) if n_acc else []
+    chosen = [(int(e), "rejected") for e in rejected] + [(int(e), "accepted") for e in extra]
+    if cfg.max_anchors_per_seq is not None and len(chosen) > cfg.max_anchors_per_seq:
+        keep = rng.choice(len(chosen), cfg.max_anchors_per_seq, replace=False)
+        chosen = [chosen[i] for i in keep]
+    return sorted(chosen)
+
+
+def score_sequence(
+    target: Target,
+    drafter: Drafter,
+    input_ids: list[int],
+    aux_hidden: Tensor,
+    anchors: list[int],
+    cfg: Config,
+    generator: torch.Generator,
+) -> dict[str, Any]:
+    """Replay every anchor x sample of one sequence and score all of it in one target forward.
+
+    Returns per replay (anchor-major, then sample): tokens, logq, p_token, accept_prob,
+    reach_prob [R, K], length [R] and teacher_hidden [R, K, H] (bf16).
+    """
+    n = cfg.samples
+    starts = torch.tensor(anchors, dtype=torch.long).repeat_interleave(n)  # [R]
+    chains = drafter.replay(
+        aux_hidden,
+        torch.tensor(input_ids),
+        starts,
+        cfg.depth,
+        temperature=cfg.temperature,
+        generator=generator,
+    )
+    tokens = chains.tokens.to(target.device)  # [R, K]
+    scores = target.score_tree(
+        input_ids,
+        [(int(e), tokens[c]) for c, e in enumerate(starts.tolist())],
+        temperature=cfg.temperature or 1.0,
+    )
+    if cfg.temperature == 0:
+        greedy = torch.stack([lp[:-1].argmax(-1) for lp in scores.log_probs])  # [R, K]
+        p_token = (greedy == tokens).float()
+        accept = p_token
+    else:
+        log_p = torch.stack(scores.token_log_probs)  # [R, K]
+        p_token = log_p.exp()
+        accept = (log_p - chains.logq.to(log_p.device)).clamp(max=0).exp()
+    reach = torch.cumprod(torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], 1), 1)
+    eos = torch.tensor(target.eos_token_ids, dtype=torch.long, device=tokens.device)
+    is_eos = torch.isin(tokens, eos)
+    first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, cfg.depth)
+    return {
+        "tokens": tokens.cpu(),
+        "logq": chains.logq.cpu(),
+        "p_token": p_token.cpu(),
+        "accept_prob": accept.cpu(),
+        "reach_prob": reach.cpu(),
+        "length": first_eos.cpu(),
+        "teacher_hidden": torch.stack([h[:-1] for h in scores.hidden]).to(torch.bfloat16).cpu(),
+    }
+
+
+def _log_positions(rollouts: Dataset, shard: str) -> dict[str, tuple[list[int], list[int]]]:
+    """seq_id -> (rejected positions, accepted positions) from one rejection-log shard."""
+    df = (
+        pl.read_parquet(rollouts.file(shard), columns=["seq_id", "position", "outcome"])
+        .filter(pl.col("outcome") != "not_reached")
+        .group_by("seq_id", "outcome")
+        .agg(pl.col("position").unique().sort())
+    )
+    out: dict[str, tuple[list[int], list[int]]] = {}
+    for seq_id, outcome, positions in df.iter_rows():
+        rej, acc = out.setdefault(seq_id, ([], []))
+        (rej if outcome == "rejected" else acc).extend(positions)
+    # A tree step can reject a node and accept its sibling at one position: that position is
+    # an error of the drafter's top choice, so it is a rejected anchor only (chains never
+    # log a position twice).
+    return {
+        seq_id: (rej, [e for e in acc if e not in set(rej)]) for seq_id, (rej, acc) in out.items()
+    }
+
+
+def score_shard(
+    target: Target, drafter: Drafter, rollouts: Dataset, i: int, cfg: Config
+) -> pa.Table:
+    """All replays of rollout shard i, as one table of `replay_schema`."""
+    _, feat_shard, rej_shard, _ = shard_files(i)
+    positions = _log_positions(rollouts, rej_shard)
+    schema = replay_schema(target.hidden_size)
+    cols: dict[str, list] = {name: [] for name in schema.names}
+    row0 = 0
+    for batch in rollouts.ipc_batches(feat_shard):
+        aux, offsets = read_tensor_column(
+            batch.column("aux_hidden"), batch.schema.field("aux_hidden")
+        )
+        for r, (seq_id, ids) in enumerate(
+            zip(
+                batch.column("seq_id").to_pylist(),
+                batch.column("input_ids").to_pylist(),
+                strict=True,
+            )
+        ):
+            rejected, accepted = positions.get(seq_id, ([], []))
+            rng = np.random.default_rng(_seed_of(cfg.seed, seq_id))
+            anchors = select_anchors(rejected, accepted, cfg, rng)
+            if not anchors:
+                continue
+            gen = torch.Generator(device=target.device).manual_seed(_seed_of(cfg.seed + 1, seq_id))
+            out = score_sequence(
+                target,
+                drafter,
+                ids,
+                aux[offsets[r] : offsets[r + 1]],
+                [e for e, _ in anchors],
+                cfg,
+                gen,
+            )
+            reps = len(anchors) * cfg.samples
+            cols["seq_id"] += [seq_id] * reps
+            cols["shard"] += [feat_shard] * reps
+            cols["row"] += [row0 + r] * reps
+            cols["anchor"] += [e for e, _ in anchors for _ in range(cfg.samples)]
+            cols["kind"] += [kind for _, kind in anchors for _ in range(cfg.samples)]
+            cols["sample"] += list(range(cfg.samples)) * len(anchors)
+            for name in ("tokens", "logq", "p_token", "accept_prob", "reach_prob", "length"):
+                cols[name] += out[name].tolist()
+            cols["teacher_hidden"] += list(out["teacher_hidden"])
+        row0 += batch.num_rows
+    arrays = [
+        tensor_array(cols[f.name], f)
+        if f.name == "teacher_hidden"
+        else pa.array(cols[f.name], f.type)
+        for f in schema
+    ]
+    return pa.table(arrays, schema=schema)
+
+
+def summarize(output: DatasetWriter, cfg: Config) -> dict[str, Any]:
+    """Counts and mean acceptance per replay offset over every shard written (all ranks)."""
+    kinds: list[str] = []
+    accept: list[Tensor] = []
+    for s in output.completed_shards():
+        if not s["path"].startswith("replays-"):
+            continue
+        table = ipc.open_file(pa.memory_map(str(output.dir / s["path"]), "r")).read_all()
+        kinds += table.column("kind").to_pylist()
+        accept += [torch.tensor(a) for a in table.column("accept_prob").to_pylist()]
+    meta: dict[str, Any] = {
+        "anchors": len(kinds) // cfg.samples,
+        "replays": len(kinds),
+        "rejected_anchors": kinds.count("rejected") // cfg.samples,
+        "accepted_anchors": kinds.count("accepted") // cfg.samples,
+        "k": cfg.depth,
+        "samples": cfg.samples,
+        "temperature": cfg.temperature,
+        "round": cfg.round,
+    }
+    if accept:
+        a = torch.stack(accept)  # [R, K]
+        meta["accept_prob_by_offset"] = [round(float(x), 4) for x in a.mean(0)]
+        meta["expected_accepted"] = round(float(torch.cumprod(a, 1).sum(1).mean()), 4)
+    return meta
+
+
+def run(
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    output: DatasetWriter,
+    rank: int,
+    world_size: int,
+    ctx: RunContext,
+) -> dict:
+    rollouts, drafter_ds = inputs["rollouts"], inputs["drafter"]
+    identity = ctx.target_loader.identity
+    check_same_target(rollouts, identity)
+    target = ctx.target_loader.target
+    drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
+    check_drafter_vocab(rollouts, drafter, str(drafter_ds.ref))
+    if rank == 0 and not output.has_shard(VOCAB_FILE):
+        output.write_file(VOCAB_FILE, rollouts.file(VOCAB_FILE))
+
+    n_shards = len([s for s in rollouts.shards("ipc") if s.startswith("features-")])
+    mine = [i for i in range(n_shards) if i % world_size == rank]
+    for i in tqdm(mine, desc="score", unit="shard", disable=not ctx.progress):
+        name = f"replays-{i:05d}.arrow"
+        if not output.has_shard(name):
+            output.write_ipc(name, score_shard(target, drafter, rollouts, i, cfg))
+    if rank != 0:
+        return {}
+    if world_size > 1:
+        output.wait_for_ranks()
+    meta = summarize(output, cfg)
+    if meta["anchors"] == 0:
+        log.warning(
+            "[score] %s has no rejected drafts: the drafter was never rejected, so there is "
+            "nothing to replay; %s is an empty replays dataset (anchors: 0)",
+            rollouts.ref,
+            output.ref,
+        )
+    else:
+        log.info(
+            "[score] %d anchors (%d rejected, %d accepted) x %d samples, K=%d: %d replays",
+            meta["anchors"],
+            meta["rejected_anchors"],
+            meta["accepted_anchors"],
+            cfg.samples,
+            cfg.depth,
+            meta["replays"],
+        )
+    return meta | {
+        "rollouts": str(rollouts.ref),
+        "drafter": str(drafter_ds.ref),
+        "rollout_drafter": rollouts.meta.get("drafter"),
+        "target": identity,
+    }
+
+
+STAGE = Stage(
+    name="score",
+    output="replays",
+    version="1",
+    config=Config,
+    run=run,
+    doc="replay drafting from the rollout's error positions; the target scores every proposal",
+    inputs={"rollouts": ("rollouts",), "drafter": DRAFTER_DATASETS},
+    default_inputs={"drafter": "sft@latest"},
+    sharded=True,
+    per_round=True,
+    # A drafter the target never rejected leaves nothing to replay; opd then keeps it as is.
+    may_be_empty=True,
+    drafting={"k": "k", "tree": "tree"},
+)

@@ -1,0 +1,341 @@
+"""Stage 3, `sft`: the EAGLE-3 warm-up, trained with training-time test on cached features.
+
+Consumes `features` (and the target it was made with: only its frozen embedding and LM head
+are used, never a forward); optionally a trained `drafter` to continue from and `more_features`
+(same target and vocab map, e.g. the original features beside fresh rollouts) to train on too.
+An optional `heldout` input (feature sequences the stage never trains on, e.g. a rollout of
+held-out prompts by the starting drafter, so it carries the same vocab map) makes every
+validation also log the teacher-forced acceptance on them as `heldout_*` (over drafting.k
+steps, as `opd` logs it), starting at step 0, so runs of both stages are compared on the same
+sequences.
+Produces `sft`, a drafter dataset (layout in `pipeline.core.drafters`; the draft-vocab map is
+copied unchanged from the features).
+
+Each step unrolls the drafter `ttt_steps` times over every row of a padded batch (step k feeds
+back its own hidden state and reads ground-truth tokens) and minimises
+sum_k step_decay^k * soft-CE(q_k, p), p = the target's distribution on the draft vocab,
+recomputed from the cached last hidden state through the frozen LM head.
+
+`objective=eagle1` trains the same drafter with EAGLE-1's objective instead, to compare the
+two: one teacher-forced step (no training-time test) minimising smooth-L1 between row t's
+hidden_out and the target's last hidden state at t+1 (the state a chain step stands in for)
+plus 0.1 x the soft-CE above (`models.losses.eagle1_loss`). Validation still unrolls
+`ttt_steps` steps, so its per-step acceptance shows how each objective holds up down the chain.
+
+The loop is `pipeline.core.trainer.Trainer` (shared with `opd`): written for `torchrun` (DDP, or
+FSDP with `sft.fsdp`), resumable from checkpoints in `<root>/_work/sft/<version>/`, bit-for-bit
+on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, field_validator, model_validator
+from torch import nn
+
+from models.drafter import Drafter
+from models.drafters import drafter_class
+from models.losses import teacher_draft_probs
+from models.vocab import DraftVocab
+from pipeline.core import training
+from pipeline.core.checks import check_drafter_vocab, check_same_target, check_same_vocab, vocab_of
+from pipeline.core.config import optional_field
+from pipeline.core.drafters import load_drafter_dataset, write_drafter_dataset, written_summary
+from pipeline.core.runner import RunContext
+from pipeline.core.stage import DRAFTER_DATASETS, Stage
+from pipeline.core.trainer import (
+    METRICS_SCHEMA,
+    StepOutput,
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    autocast,
+)
+from pipeline.core.validation import (
+    FEATURE_COLUMNS,
+    heldout_loader,
+    to_device,
+    validate,
+    validate_heldout,
+)
+from storage import Dataset, DatasetWriter
+
+VAL_KEYS = ("step", "loss", "acc", "alpha", "tau_sim", "tau_expected", "tau_chain")
+SUMMARY_KEYS = (  # of the trainer's summary
+    "steps",
+    "epochs",
+    "final_train_loss",
+    "seconds_this_run",
+    "tokens_per_s_this_run",
+    "loader_stall_share",
+)
+
+log = logging.getLogger("opd")
+
+Objective = Literal["eagle3", "eagle1"]
+DEFAULT_STEP_DECAY = 0.8
+
+
+def unrolled_steps(objective: str | None, ttt_steps: int) -> int:
+    """Drafter steps each training row runs forward+backward: the row-step budget's factor."""
+    return 1 if objective == "eagle1" else ttt_steps
+
+
+class Config(TrainConfig):
+    ttt_steps: int = Field(7, ge=1)
+    """Unrolled drafting steps per training row; set through `drafting.ttt_steps`."""
+    tau_k: int = Field(6, ge=1)
+    """Draft length K of the simulated tau; set through `drafting.k`."""
+    step_decay: float = Field(DEFAULT_STEP_DECAY, gt=0, le=1)
+    """Step k's loss weight is step_decay^k (EAGLE-3's 0.8)."""
+    temperature: float = Field(1.0, ge=0)
+    """Teacher temperature; 0 trains on the target's argmax (a one-hot teacher)."""
+    objective: Objective | None = optional_field(
+        "eagle3 (unset): training-time test over ttt_steps; eagle1: EAGLE-1's feature "
+        "regression + 0.1 x CE on one teacher-forced step, to compare the objectives. Unset "
+        "rather than 'eagle3' by default so existing sft versions stay unchanged"
+    )
+
+    @field_validator("objective")
+    @classmethod
+    def _eagle3_is_unset(cls, value: str | None) -> str | None:
+        # Naming the default explicitly must give the default's version.
+        return None if value == "eagle3" else value
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.tau_k > self.ttt_steps:
+            raise ValueError(f"tau_k ({self.tau_k}) cannot exceed ttt_steps ({self.ttt_steps})")
+        if self.steps is None and self.epochs is None:
+            raise ValueError("set either steps or epochs")
+        if self.objective == "eagle1" and self.step_decay != DEFAULT_STEP_DECAY:
+            raise ValueError(
+                f"sft.step_decay ({self.step_decay}) weights training-time-test steps, which "
+                "objective=eagle1 does not unroll: drop the step_decay setting"
+            )
+        return self
+
+    @property
+    def unroll_depth(self) -> int:
+        """Unrolled steps per training row (see `unrolled_steps`)."""
+        return unrolled_steps(self.objective, self.ttt_steps)
+
+
+def new_drafter(target: Any, vocab: DraftVocab, seed: int, kind: str = "eagle3") -> Drafter:
+    """A freshly initialised drafter of `kind` for `target` (deterministic in `seed`)."""
+    cls = drafter_class(kind)
+    torch.manual_seed(seed)
+    return cls.new(target, vocab, {}).to(target.device)
+
+
+def train_step(
+    model: nn.Module, drafter: Drafter, batch: training.PaddedBatch, target: Any, cfg: Config
+) -> StepOutput:
+    """The objective's loss on one batch, with its per-step T=0 accuracy (summed over ranks).
+    `model` is the drafter's training module (DDP-wrapped or FSDP-sharded)."""
+    b = to_device(batch, target.device)
+    with torch.no_grad():
+        target_logits = target.logits_from_hidden(b["last_hidden"])  # [B, T, V]
+        teacher = teacher_draft_probs(target_logits, drafter.vocab, cfg.temperature)  # [B, T, Vd]
+    with autocast(target.device, cfg.bf16):
+        (out,) = model((b["aux_hidden"], b["input_ids"], b["loss_mask"], None, cfg.unroll_depth))
+    loss = drafter.sft_loss(
+        out, teacher, b["last_hidden"], decay=cfg.step_decay, objective=cfg.objective
+    )
+    chain_k = min(cfg.tau_k, cfg.unroll_depth)
+    acc = drafter.acceptance(out, target_logits, chain_k=chain_k, expected=False).all_reduce()
+    tokens = batch.num_tokens
+    return StepOutput(loss, tokens, tokens * cfg.unroll_depth, {"acc": acc.accuracy()})
+
+
+def _starting_drafter(
+    inputs: dict[str, Dataset], target: Any, vocab: DraftVocab, cfg: Config, ctx: RunContext
+) -> Drafter:
+    """A fresh drafter, or (continued SFT) the given one, which must use the features' map."""
+    if "drafter" not in inputs:
+        return new_drafter(target, vocab, cfg.seed)
+    drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity)
+    check_drafter_vocab(inputs["features"], drafter, str(inputs["drafter"].ref))
+    return drafter.to(target.device)
+
+
+def _setup_data(
+    cfg: Config, sources: list[Dataset], rank: int, world_size: int, *, pin_memory: bool = False
+) -> tuple[training.FeatureLoader, training.FeatureLoader]:
+    """Train and validation loaders over the features, split by sequence with `cfg.seed`."""
+    index = training.FeatureIndex(sources, FEATURE_COLUMNS)
+    train_rows, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
+    common = dict(
+        batch_size=cfg.batch_size,
+        max_tokens=cfg.max_tokens,
+        rank=rank,
+        world_size=world_size,
+        pin_memory=pin_memory,
+    )
+    train = training.FeatureLoader(
+        index, train_rows, seed=cfg.seed, prefetch=cfg.prefetch, **common
+    )
+    val = training.FeatureLoader(index, val_rows, shuffle=False, equal_ranks=False, **common)
+    return train, val
+
+
+def _validator(
+    cfg: Config,
+    val: training.FeatureLoader,
+    held: training.FeatureLoader | None,
+    target: Any,
+) -> Callable[[Drafter, int], dict[str, Any]] | None:
+    """The trainer's validation: the objective on the held-out split, and the `heldout_*`
+    acceptance when a `heldout` input is given (None: nothing to validate on)."""
+    if not val.rows and held is None:
+        return None
+
+    def validation(model: Drafter, step: int) -> dict[str, Any]:
+        row: dict[str, Any] = {}
+        if val.rows:
+            row = validate(
+                model,
+                val,
+                target,
+                ttt_steps=cfg.ttt_steps,
+                tau_k=cfg.tau_k,
+                temperature=cfg.temperature,
+                step_decay=cfg.step_decay,
+                bf16=cfg.bf16,
+                objective=cfg.objective,
+            )
+            log.info(
+                "[sft] step %d: val loss %.4f, acc %s, tau_sim %.3f, tau_chain %.3f",
+                step,
+                row["loss"],
+                [round(a, 3) for a in row["acc"]],
+                row["tau_sim"],
+                row["tau_chain"],
+            )
+        if held is not None:
+            row |= validate_heldout(model, held, target, k=cfg.tau_k, bf16=cfg.bf16)
+            log.info("[sft] step %d: held-out tau_sim %.3f", step, row["heldout_tau_sim"])
+        return row
+
+    return validation
+
+
+def _summary(
+    cfg: Config,
+    sources: list[Dataset],
+    train: training.FeatureLoader,
+    val: training.FeatureLoader,
+    vocab: DraftVocab,
+    ctx: RunContext,
+    result: TrainResult,
+) -> dict[str, Any]:
+    """The dataset's summary: its data, the last validation and the run's numbers."""
+    last_val = next(
+        (m for m in reversed(result.metrics) if m["kind"] == "val" and m["loss"] is not None), None
+    )
+    run_summary = result.summary()
+    return {
+        "features": str(sources[0].ref),
+        "more_features": [str(ds.ref) for ds in sources[1:]],
+        "train_sequences": len(train.rows),
+        "val_sequences": len(val.rows),
+        "objective": cfg.objective or "eagle3",
+        "draft_vocab_size": vocab.draft_vocab_size,
+        "aux_layer_ids": list(ctx.target_loader.target.aux_layer_ids),
+        "target": ctx.target_loader.identity,
+        "validation": last_val and {k: last_val[k] for k in VAL_KEYS},
+    } | {k: run_summary[k] for k in SUMMARY_KEYS}
+
+
+def run(
+    cfg: Config,
+    inputs: dict[str, Dataset],
+    output: DatasetWriter,
+    rank: int,
+    world_size: int,
+    ctx: RunContext,
+) -> dict:
+    feats = inputs["features"]
+    sources = [feats, *([inputs["more_features"]] if "more_features" in inputs else [])]
+    heldout = inputs.get("heldout")
+    for ds in [*sources, *([heldout] if heldout is not None else [])]:
+        check_same_target(ds, ctx.target_loader.identity)
+    rank, world_size = training.resolve_ranks(rank, world_size)
+    if (summary := written_summary(output)) is not None:
+        return summary
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    target = ctx.target_loader.target
+    check_same_vocab(feats, [*sources[1:], *([heldout] if heldout is not None else [])])
+    vocab_tensors = vocab_of(feats)
+    vocab = DraftVocab(vocab_tensors["d2t"], vocab_tensors["t2d"])
+
+    pin = target.device.type == "cuda"
+    train, val = _setup_data(cfg, sources, rank, world_size, pin_memory=pin)
+    held = None
+    if heldout is not None:
+        held = heldout_loader(heldout, cfg, rank, world_size, pin_memory=pin)
+    drafter = _starting_drafter(inputs, target, vocab, cfg, ctx)
+    trainer = Trainer(
+        cfg,
+        stage="sft",
+        drafter=drafter,
+        forward=drafter.training_module(),
+        loader=train,
+        total_steps=cfg.epoch_steps(len(train)),
+        work_dir=output.store.root / "_work" / "sft" / output.version,
+        rank=rank,
+        progress=ctx.progress,
+    )
+    trainer.setup()
+    log.info(
+        "[sft] reads %s (%d train / %d val sequences); writes %s; %d steps, %d per epoch; "
+        "checkpoints in %s",
+        feats.ref,
+        len(train.rows),
+        len(val.rows),
+        output.ref,
+        trainer.total,
+        trainer.per_epoch,
+        trainer.checkpointer.directory,
+    )
+
+    def loss_step(model: nn.Module, batch: training.PaddedBatch, step: int) -> StepOutput:
+        return train_step(model, drafter, batch, target, cfg)
+
+    # With held-out sequences the curve starts at the starting drafter (step 0), as opd's does.
+    result = trainer.train(
+        loss_step, _validator(cfg, val, held, target), validate_at_start=held is not None
+    )
+    drafter = trainer.whole_drafter()
+    if rank != 0:
+        return {}
+    summary = _summary(cfg, sources, train, val, vocab, ctx, result)
+    summary = write_drafter_dataset(output, drafter, feats, result.metrics, METRICS_SCHEMA, summary)
+    trainer.finish()
+    if world_size > 1:
+        output.wait_for_ranks()
+    return summary
+
+
+STAGE = Stage(
+    name="sft",
+    output="sft",
+    version="1",
+    config=Config,
+    run=run,
+    doc="EAGLE-3 warm-up with training-time test (or EAGLE-1's objective) on cached features",
+    inputs={"features": ("features", "rollouts")},
+    # Continued SFT: start from a trained drafter; train on more feature sets (same map) too.
+    optional_inputs={
+        "drafter": DRAFTER_DATASETS,
+        "more_features": ("features", "rollouts"),
+        "heldout": ("rollouts", "features"),  # measured at every validation, never trained on
+    },
+    drafting={"ttt_steps": "ttt_steps", "tau_k": "k"},
+    ddp=True,
+)

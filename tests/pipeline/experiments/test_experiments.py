@@ -1,0 +1,279 @@
+"""`opd experiment opd-vs-sft` and `opd experiment ablate` on the tiny profile: the JSON, the
+budgets, the arms' lineage, the held-out curves and the report datasets."""
+
+import json
+import typing
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from models.losses import ReplayLoss
+from pipeline.core import drafters
+from pipeline.core.config import version_dict
+from pipeline.experiments import ablate, common
+from pipeline.experiments import opd_vs_sft as opd_vs_sft_experiment
+from pipeline.profiles import load_config
+from pipeline.stages import rollout
+from storage import OpdError
+
+
+@pytest.fixture(scope="module")
+def opd_vs_sft(tmp_path_factory):
+    """One 2-seed run of opd-vs-sft (1 round, half the warm-up's budget) on the tiny profile."""
+    from pipeline.core.runner import RunContext
+    from pipeline.core.targets import TargetLoader
+    from storage import Store
+    from tests.pipeline.conftest import write_prompts
+
+    store = Store(tmp_path_factory.mktemp("data"))
+    cfg = load_config("tiny", sets=["rounds=1"])
+    ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
+    prompts = write_prompts(store)
+    result = opd_vs_sft_experiment.opd_vs_sft(
+        cfg, ctx, seeds=2, budget_ratio=0.5, prompts=prompts, command="opd experiment ..."
+    )
+    return store, ctx, prompts, result
+
+
+def test_opd_vs_sft_leads_with_means_over_seeds_and_matches_budgets(opd_vs_sft):
+    store, _, prompts, result = opd_vs_sft
+    for s in ("", "_t1"):
+        t = "0.0" if s == "" else "1.0"
+        for arm in ("sft_continued", "opd"):
+            per_seed = result[f"tau_{arm}{s}_per_seed"]
+            assert per_seed == [r[arm]["tau"][t] for r in result["runs"]]
+            assert result[f"tau_{arm}{s}"] == pytest.approx(sum(per_seed) / 2)
+            assert result[f"tau_{arm}{s}_std"] >= 0
+        assert result[f"opd_over_sft_continued{s}"] == pytest.approx(
+            result[f"tau_opd{s}"] / result[f"tau_sft_continued{s}"]
+        )
+        assert len(result[f"opd_over_sft_continued{s}_per_seed"]) == 2
+        assert result[f"tau_sft_warmup{s}"] == result["warmup"]["tau"][t]
+    assert list(result)[:4] == [
+        "experiment",
+        "tau_sft_continued",
+        "tau_sft_continued_per_seed",
+        "tau_sft_continued_std",
+    ]
+    assert "row-steps" in result["budget_unit"]
+    budget = result["budget_row_steps"]
+    assert budget == round(0.5 * result["warmup"]["budget_row_steps"])
+    assert json.loads(open(result["saved_to"]).read()) == result
+    assert result["seeds"] == [0, 1]
+
+    heldout = store.open(result["heldout_sequences"])
+    # the held-out sequences are the target's greedy continuations of evaluate's prompts
+    assert heldout.config["stage"]["split"] == "heldout"
+    assert heldout.config["stage"]["temperature"] == 0.0
+    assert heldout.config["stage"]["max_prompts"] == 4  # tiny's evaluate.max_prompts
+    for seed, run in zip((0, 1), result["runs"], strict=True):
+        assert run["seed"] == seed
+        cont, opd_arm = run["sft_continued"], run["opd"]
+        # continued SFT: the fewest steps reaching the budget, from the warm-up drafter
+        ds = store.open(cont["drafter"])
+        warm = store.open(result["warmup"]["drafter"])
+        assert ds.inputs == {
+            "features": cont["data"],
+            "more_features": warm.inputs["features"],  # the original features too
+            "drafter": str(warm.ref),
+            "heldout": str(heldout.ref),
+        }
+        spent = pl.read_parquet(ds.file(drafters.METRICS_FILE)).filter(pl.col("kind") == "train")
+        last = int(spent["tokens"][-1]) * ds.config["stage"]["ttt_steps"]
+        assert budget <= cont["budget_row_steps"] < budget + last
+        # Draft-OPD: the same budget (one round here), starting from the same warm-up
+        assert budget <= opd_arm["budget_row_steps"]
+        opd_ds = store.open(opd_arm["drafter"])
+        assert opd_ds.inputs["drafter"] == result["warmup"]["drafter"]
+        assert opd_ds.inputs["heldout"] == str(heldout.ref)
+        # by default both arms train on the same target sequences: OPD's first rollout
+        assert opd_ds.inputs["rollouts"] == cont["data"]
+        assert cont["val"] and all("tau_sim" in v for v in cont["val"])
+
+        # the held-out curves: both start at the warm-up drafter, on the same sequences
+        sft_curve, opd_curve = cont["heldout_curve"], opd_arm["heldout_curve"]
+        warm_budget = result["warmup"]["budget_row_steps"]
+        assert sft_curve[0]["step"] == opd_curve[0]["step"] == 0
+        assert sft_curve[0]["row_steps"] == opd_curve[0]["row_steps"] == warm_budget
+        assert sft_curve[0]["tau_sim"] == pytest.approx(opd_curve[0]["tau_sim"])
+        assert sft_curve[-1]["row_steps"] == warm_budget + cont["budget_row_steps"]
+        assert opd_curve[-1]["row_steps"] == warm_budget + opd_arm["budget_row_steps"]
+        for curve in (sft_curve, opd_curve):
+            assert [p["row_steps"] for p in curve] == sorted(p["row_steps"] for p in curve)
+            assert all(1 <= p["tau_sim"] <= 1 + result["k"] for p in curve)
+        # ~10 validations over continued SFT (fewer when it runs fewer steps), a few per round
+        assert len(sft_curve) == 1 + min(common.SFT_VALIDATIONS, cont["steps"])
+        assert len(opd_curve) >= 1 + min(common.OPD_VALIDATIONS, opd_arm["steps"][0])
+    # the seeds really are different runs of both arms
+    runs = result["runs"]
+    assert runs[0]["opd"]["drafter"] != runs[1]["opd"]["drafter"]
+    assert runs[0]["sft_continued"]["drafter"] != runs[1]["sft_continued"]["drafter"]
+
+
+def test_opd_vs_sft_writes_a_report_dataset(opd_vs_sft):
+    store, _, _, result = opd_vs_sft
+    report = store.open(result["report"])
+    assert report.ref.name == "experiment"
+    assert {"tau.parquet", "heldout_curve.parquet", "tau.png", "plateau.png", "report.md"} <= set(
+        report.shards()
+    )
+    tau = pl.read_parquet(report.file("tau.parquet"))
+    # the warm-up once per temperature, then 2 arms x 2 seeds x 2 temperatures
+    assert tau.height == 2 + 8
+    opd0 = tau.filter((pl.col("arm") == "opd") & (pl.col("temperature") == 0.0))
+    assert sorted(opd0["tau"]) == sorted(result["tau_opd_per_seed"])
+    curves = pl.read_parquet(report.file("heldout_curve.parquet"))
+    assert set(curves["arm"]) == {"sft_continued", "opd"} and set(curves["seed"]) == {0, 1}
+    for png in ("tau.png", "plateau.png"):
+        assert report.file(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = report.file("report.md").read_text()
+    assert "![held-out tau vs row-steps](plateau.png)" in md and "opd experiment ..." in md
+    assert f"{result['opd_over_sft_continued']:.3f}" in md
+    assert report.meta["tau_opd"] == result["tau_opd"]
+
+
+def test_opd_vs_sft_cli_prints_the_cached_result(opd_vs_sft):
+    store, _, prompts, result = opd_vs_sft
+    args = ["--root", str(store.root), "experiment", "opd-vs-sft", "--profile", "tiny"]
+    args += ["--set", "rounds=1", "--seeds", "2", "--budget", str(result["budget_row_steps"])]
+    r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts.ref), "--json"])
+    assert r.exit_code == 0, r.output
+    printed = json.loads(r.stdout)
+    for key in ("tau_opd", "tau_opd_t1", "tau_sft_continued", "tau_sft_continued_t1"):
+        assert printed[key] == result[key]
+    assert printed["report"] == result["report"]  # everything was cached, the report too
+    # --seeds defaults to 3
+    seeds = next(
+        p for p in cli.commands["experiment"].commands["opd-vs-sft"].params if p.name == "seeds"
+    )
+    assert seeds.default == 3
+    text = opd_vs_sft_experiment.summary_text(result)
+    assert "OPD/SFT" in text and f"{result['opd_over_sft_continued']:>8.3f}" in text
+
+    # another process may run seed 1 alone against the same root: the same (cached) datasets
+    args[args.index("--seeds") + 1] = "1"
+    args += ["--first-seed", "1"]
+    r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts.ref), "--json"])
+    assert r.exit_code == 0, r.output
+    alone = json.loads(r.stdout)
+    assert alone["seeds"] == [1]
+    for arm in ("opd", "sft_continued"):
+        assert alone["runs"][0][arm]["drafter"] == result["runs"][1][arm]["drafter"]
+
+
+def test_heldout_input_and_validations_leave_default_versions_unchanged():
+    cfg = load_config("tiny")
+    assert "validations" not in version_dict(cfg.sft) and "validations" not in version_dict(cfg.opd)
+    every = cfg.sft.val_every
+    assert cfg.sft.validation_steps(10 * every + 1) == {every * i for i in range(1, 11)} | {
+        10 * every + 1
+    }
+    ten = cfg.sft.model_copy(update={"validations": 10})
+    assert ten.validation_steps(95) == {10, 19, 29, 38, 48, 57, 67, 76, 86, 95}
+    assert ten.validation_steps(3) == {1, 2, 3}
+
+
+def test_continued_sft_data_covers_every_prompt_the_opd_rounds_draft_on():
+    cfg = load_config(
+        "tiny",
+        sets=[
+            "rounds=3",
+            "rollout.max_prompts=4",
+            "rollout.skip_prompts=2",
+            "rollout.new_prompts_each_round=true",
+        ],
+    )
+
+    def span(c: rollout.Config) -> range:
+        first = rollout.first_prompt(c)
+        return range(first, first + c.max_prompts)
+
+    rounds = [cfg.rollout.model_copy(update={"round": r}) for r in (1, 2, 3)]
+    opd_prompts = [i for c in rounds for i in span(c)]
+    data = common.sft_data_config(cfg, seed=1, temperature=None)
+    assert list(span(data)) == opd_prompts == list(range(2, 14))
+    assert data.temperature == cfg.rollout.temperature
+    # without new prompts each round, every round (and the SFT data) drafts on the same prompts
+    same = cfg.model_copy(
+        update={"rollout": cfg.rollout.model_copy(update={"new_prompts_each_round": False})}
+    )
+    assert list(span(common.sft_data_config(same, 1, None))) == list(range(2, 6))
+    sampled = common.sft_data_config(cfg, seed=1, temperature=1.0)
+    assert sampled.temperature == 1.0 and sampled.seed == 1
+
+
+def test_ablation_variants_vary_one_factor_around_the_defaults():
+    cfg = load_config("tiny")
+    variants = ablate.ablation_variants(cfg, ["loss", "replays", "rounds", "samples", "gamma"])
+    by_factor: dict[str, list] = {}
+    for v in variants:
+        by_factor.setdefault(v.factor, []).append(v)
+    # every loss family but reverse_kl_k3, whose training is reverse_kl_k1's
+    losses = [loss for loss in typing.get_args(ReplayLoss) if loss != "reverse_kl_k3"]
+    assert [v.level for v in by_factor["loss"]] == losses
+    assert [v.cfg.opd.loss for v in by_factor["loss"]] == losses
+    greedy, sampled = by_factor["replays"]
+    assert (greedy.cfg.rollout.temperature, greedy.cfg.score.temperature) == (0.0, 0.0)
+    assert (sampled.cfg.rollout.temperature, sampled.cfg.score.temperature) == (1.0, 1.0)
+    assert [v.cfg.rounds for v in by_factor["rounds"]] == [1, 2, 3, 4]
+    assert [v.cfg.score.samples for v in by_factor["samples"]] == [1, 2, 4]
+    assert all(v.cfg.score.temperature == 1.0 for v in by_factor["samples"])
+    assert [v.cfg.opd.gamma for v in by_factor["gamma"]] == [0.5, 0.8, 1.0]
+    # the baseline (tiny: draft_opd, greedy, 2 rounds, gamma 0.8) is the default level of each
+    defaults = {v.factor: v.level for v in variants if v.default}
+    assert defaults == {"loss": "draft_opd", "replays": "greedy", "rounds": "2", "gamma": "0.8"}
+    for v in variants:  # one factor at a time: everything else is the baseline
+        assert v.cfg.opd.lr == cfg.opd.lr and v.cfg.drafting == cfg.drafting
+    with pytest.raises(OpdError, match="unknown ablation factor.*--factors"):
+        ablate.ablation_variants(cfg, ["lr"])
+
+
+def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
+    store, ctx, _, prompts = tiny
+    cfg = load_config("tiny", sets=["rounds=1"])
+    result = ablate.ablate(
+        cfg, ctx, factors=["replays", "gamma"], seeds=1, budget_ratio=0.5, prompts=prompts
+    )
+    levels = [(r["factor"], r["level"]) for r in result["rows"]]
+    assert levels == [
+        ("replays", "greedy"),
+        ("replays", "sampled"),
+        ("gamma", "0.5"),
+        ("gamma", "0.8"),
+        ("gamma", "1"),
+    ]
+    rows = {(r["factor"], r["level"]): r for r in result["rows"]}
+    # the default variant of each factor is the same config: the same (cached) drafter
+    assert (
+        rows["replays", "greedy"]["runs"][0]["drafter"]
+        == rows["gamma", "0.8"]["runs"][0]["drafter"]
+    )
+    assert rows["gamma", "0.5"]["runs"][0]["drafter"] != rows["gamma", "0.8"]["runs"][0]["drafter"]
+    sampled = store.open(rows["replays", "sampled"]["runs"][0]["drafter"])
+    assert store.open(sampled.inputs["replays"]).config["stage"]["temperature"] == 1.0
+    for r in result["rows"]:
+        assert r["tau_std"] == 0.0 and len(r["tau_t1_per_seed"]) == 1
+        assert r["runs"][0]["budget_row_steps"] >= result["budget_row_steps"]
+
+    report = store.open(result["report"])
+    table = pl.read_parquet(report.file("ablation.parquet"))
+    assert table.height == 5 * 2  # variants x temperatures (1 seed)
+    assert table.filter(pl.col("default"))["level"].unique().sort().to_list() == ["0.8", "greedy"]
+    summary = pl.read_parquet(report.file("ablation_summary.parquet"))
+    assert summary.height == 10 and set(summary["seeds"]) == {1}
+    assert report.file("ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = report.file("report.md").read_text()
+    assert "![tau per variant](ablation.png)" in md and "| gamma | 0.8 * |" in md
+
+    # the CLI: the same (cached) result as JSON
+    args = ["--root", str(store.root), "experiment", "ablate", "--profile", "tiny"]
+    args += ["--set", "rounds=1", "--factors", "replays,gamma", "--seeds", "1"]
+    args += ["--budget", str(result["budget_row_steps"]), "--prompts", str(prompts.ref), "--json"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    printed = json.loads(r.stdout)
+    assert printed["rows"] == json.loads(json.dumps(result["rows"]))
+    bad = CliRunner().invoke(cli, [*args[:-1], "--factors", "lr"])
+    assert bad.exit_code != 0 and "unknown ablation factor" in bad.output

@@ -1,0 +1,55 @@
+"""Stage `evaluate` on the tiny profile: τ and α add up, T=0 is lossless, mismatches are explained."""
+
+import polars as pl
+import pytest
+import torch
+
+from models.decoding import target_generate
+from pipeline.core.runner import run_stage
+from pipeline.stages import evaluate, features, generate, sft
+
+
+@pytest.fixture
+def drafted(tiny):
+    store, ctx, cfg, prompts = tiny
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
+    feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
+    drafter = run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
+    return ctx, cfg, prompts, drafter
+
+
+def test_evaluate_reports_consistent_tau_alpha_and_forwards(drafted):
+    ctx, cfg, prompts, drafter = drafted
+    ecfg = cfg.evaluate.model_copy(update={"batch_size": 2})
+    ds = run_stage(evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": drafter}, ctx).dataset
+    stats = ds.meta
+    steps = pl.read_parquet(ds.file("steps.parquet"))
+    drafts = pl.read_parquet(ds.file("drafts.parquet"))
+    # τ is the mean of accepted + 1 per verify step; forwards per token is its inverse exactly
+    # when every verify step emits accepted + 1 tokens (no sequence cut short by EOS or length)
+    assert stats["tau"] == pytest.approx(float((steps["accepted"] + 1).mean()))
+    assert stats["verify_steps"] == steps.height and stats["prompts"] == ecfg.max_prompts
+    assert stats["target_forwards_per_token"] == pytest.approx(
+        steps.height / steps["emitted"].sum()
+    )
+    assert len(stats["alpha"]) <= ecfg.k and all(0 <= a <= 1 for a in stats["alpha"])
+    reached = drafts.filter(pl.col("outcome") != "not_reached")
+    assert reached.height > 0 and 1.0 <= stats["tau"] <= ecfg.k + 1
+    # T=0: the speculative tokens are the target's greedy tokens, so no mismatch is reported
+    assert stats["lossless_t0"] is True and stats["t0_mismatches"] == []
+    assert stats["baseline_tokens_per_s"] > 0 and stats["speedup"] > 0
+    assert "tau_untrained" in stats and stats["drafter"] == str(drafter.ref)
+
+
+def test_divergence_names_the_first_differing_position_and_the_top2_gap(drafted):
+    ctx, _, prompts, _ = drafted
+    target = ctx.target_loader.target
+    prompt = prompts.scan().collect()["prompt_ids"][0].to_list()
+    greedy = target_generate(target, [prompt], 6, 0.0, 0).sequences[0]
+    other = greedy[:3] + [(greedy[3] + 1) % target.vocab_size] + greedy[4:]
+    out = evaluate.divergence(target, prompt, other, greedy)
+    assert out["position"] == 3
+    logits = target(torch.tensor([prompt + greedy[:3]])).logits[0, -1]
+    top = logits.topk(2).values
+    assert out["top2_logit_gap"] == pytest.approx(float(top[0] - top[1]))
+    assert out["top2_logit_gap"] >= 0

@@ -1,0 +1,370 @@
+"""Stage `sft` end to end on tiny features from a random target."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.drafters import load_drafter
+from models.losses import (
+    feature_regression,
+    soft_cross_entropy,
+    teacher_draft_probs,
+    ttt_loss,
+)
+from models.vocab import DraftVocab
+from pipeline.core import drafters, training, validation
+from pipeline.core.config import version_dict
+from pipeline.core.runner import RunContext, run_stage
+from pipeline.core.targets import TargetConfig, TargetLoader
+from pipeline.core.trainer import TrainingStopped
+from pipeline.experiments import common
+from pipeline.profiles import load_config
+from pipeline.stages import evaluate, features, generate, sft
+from storage import OpdError, Store
+from tests.pipeline.conftest import write_prompts
+from tests.pipeline.core.test_training import flip_tensor_byte
+
+REPO = Path(__file__).resolve().parents[3]
+# fp32 keeps the tiny runs fast; the resume test covers the default bf16 autocast.
+FAST = dict(batch_size=4, val_share=0.2, val_every=4, lr=3e-3, bf16=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_features(tmp_path_factory):
+    """(store, ctx, features dataset): 12 trajectories of a random 4-layer target."""
+    store = Store(tmp_path_factory.mktemp("data"))
+    cfg = load_config("tiny")
+    ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
+    prompts = write_prompts(store)
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
+    return store, ctx, run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
+
+
+def test_sft_trains_and_writes_a_loadable_drafter(tiny_features):
+    store, ctx, feats = tiny_features
+    cfg = sft.Config(steps=12, **FAST)
+    ds = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    assert store.resolve("sft@latest") == ds.ref
+    assert set(ds.shards()) == set(drafters.OUTPUT_FILES)
+    # the vocab map is the features' own file, byte for byte
+    assert ds.file(features.VOCAB_FILE).read_bytes() == feats.file(features.VOCAB_FILE).read_bytes()
+    assert not (store.root / "_work" / "sft" / ds.ref.version).exists()  # checkpoints cleaned up
+
+    m = pl.read_parquet(ds.file(drafters.METRICS_FILE))
+    train = m.filter(pl.col("kind") == "train")
+    val = m.filter(pl.col("kind") == "val")
+    assert train["step"].to_list() == list(range(1, 13))
+    assert val["step"].to_list() == [4, 8, 12]
+    assert all(len(a) == cfg.ttt_steps for a in train["acc"].to_list())
+    losses = train["loss"].to_list()
+    assert sum(losses[-3:]) < sum(losses[:3])  # it learns
+    assert val["loss"][-1] < val["loss"][0]
+    assert train["lr"].to_list()[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio)
+    assert ds.meta["val_sequences"] == 2 and ds.meta["train_sequences"] == 10
+    assert ds.meta["validation"]["step"] == 12
+
+    # reloading the drafter from the dataset reproduces the final validation exactly
+    target = ctx.target_loader.target
+    drafter = load_drafter(ds.path, target.embed_weight)
+    assert torch.equal(drafter.d2t, load_file(feats.file(features.VOCAB_FILE))["d2t"])
+    index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
+    _, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
+    loader = training.FeatureLoader(
+        index, val_rows, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, shuffle=False
+    )
+    how = dict(
+        ttt_steps=cfg.ttt_steps,
+        tau_k=cfg.tau_k,
+        temperature=cfg.temperature,
+        step_decay=cfg.step_decay,
+        bf16=cfg.bf16,
+    )
+    again = validation.validate(drafter, loader, target, **how)
+    final = val.row(-1, named=True)
+    for key in ("loss", "acc", "alpha", "tau_sim", "tau_expected", "tau_chain"):
+        assert again[key] == final[key], key
+    fresh = sft.new_drafter(target, drafter.vocab, cfg.seed)
+    assert validation.validate(fresh, loader, target, **how)["loss"] > again["loss"]
+
+    # a second run reuses the committed dataset
+    assert run_stage(sft.STAGE, cfg, {"features": feats}, ctx).reused
+
+
+def test_resumed_run_matches_uninterrupted_bit_for_bit(tiny_features):
+    store, ctx, feats = tiny_features
+    cfg = sft.Config(steps=8, batch_size=4, val_share=0.2, val_every=3, ttt_steps=3, tau_k=3)
+    assert cfg.bf16  # the default autocast path must be deterministic too
+    work = store.root / "_work" / "sft"
+
+    stop = cfg.model_copy(update={"stop_after_steps": 5, "checkpoint_every": 2})
+    with pytest.raises(TrainingStopped, match="after step 5"):
+        run_stage(sft.STAGE, stop, {"features": feats}, ctx)
+    (version,) = [p.name for p in work.iterdir()]
+    ckpts = training.Checkpointer(work / version)
+    assert ckpts.latest() == 5
+    assert not (store.root / "sft" / version / "manifest.json").exists()  # nothing committed
+    # simulate a kill between checkpoints: the newest is lost, the run resumes from step 4
+    shutil.rmtree(ckpts.path(5))
+    resumed = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    assert resumed.ref.version == version  # the stop knob is not part of the version
+    weights = load_file(resumed.file("model.safetensors"))
+    metrics = pl.read_parquet(resumed.file(drafters.METRICS_FILE))
+
+    fresh = run_stage(sft.STAGE, cfg, {"features": feats}, ctx, force=True).dataset
+    fresh_weights = load_file(fresh.file("model.safetensors"))
+    assert weights.keys() == fresh_weights.keys()
+    for name, t in fresh_weights.items():
+        assert torch.equal(weights[name], t), name
+    fresh_metrics = pl.read_parquet(fresh.file(drafters.METRICS_FILE))
+    cols = ["kind", "step", "loss", "lr", "grad_norm", "acc", "tau_sim", "tau_chain"]
+    assert metrics.select(cols).equals(fresh_metrics.select(cols))
+    assert len(metrics.filter(pl.col("kind") == "train")) == 8
+
+
+def test_a_corrupted_checkpoint_is_reported_and_the_previous_one_resumed(tiny_features, caplog):
+    store, ctx, feats = tiny_features
+    cfg = sft.Config(steps=7, batch_size=4, val_share=0.2, val_every=3, ttt_steps=3, tau_k=3)
+    stop = cfg.model_copy(update={"stop_after_steps": 4, "checkpoint_every": 2})
+    with pytest.raises(TrainingStopped):
+        run_stage(sft.STAGE, stop, {"features": feats}, ctx)
+    (work,) = [
+        p for p in (store.root / "_work" / "sft").iterdir() if (p / "step-00000004").is_dir()
+    ]
+    ckpts = training.Checkpointer(work)
+    assert ckpts._steps() == [2, 4]
+    # a flipped byte in the frozen vocab map: loads fine, trains, and ships a wrong d2t
+    flip_tensor_byte(ckpts.path(4) / "tensors.safetensors", "model/d2t")
+    with caplog.at_level("INFO", logger="opd"):
+        resumed = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    assert "step-00000004 is corrupted: tensors.safetensors fails its sha256" in caplog.text
+    assert "resuming from step 2" in caplog.text
+    assert resumed.ref.version == work.name
+    fresh = run_stage(sft.STAGE, cfg, {"features": feats}, ctx, force=True).dataset
+    sums = lambda ds: {s["path"]: s["sha256"] for s in ds.manifest["shards"]}  # noqa: E731
+    for name in ("model.safetensors", features.VOCAB_FILE):
+        assert sums(resumed)[name] == sums(fresh)[name], name
+
+
+def test_more_features_are_trained_on_and_must_share_the_vocab_map(tiny_features, tmp_path):
+    store, ctx, feats = tiny_features
+    cfg = load_config("tiny")
+    # a second features dataset of the same target: other prompts' trajectories
+    more_prompts = write_prompts(store, n_train=8, n_heldout=2, vocab=300)
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": more_prompts}, ctx).dataset
+    more = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
+    one = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
+    both = training.FeatureIndex([feats, more], validation.FEATURE_COLUMNS)
+    assert len(both) == len(one) + len(training.FeatureIndex(more, validation.FEATURE_COLUMNS))
+    assert both.keys[: len(one)] == one.keys
+
+    assert not torch.equal(  # other sequences, other token frequencies
+        load_file(more.file(features.VOCAB_FILE))["d2t"],
+        load_file(feats.file(features.VOCAB_FILE))["d2t"],
+    )
+    scfg = sft.Config(steps=2, **FAST)
+    with pytest.raises(OpdError, match="another draft-vocab map"):
+        run_stage(sft.STAGE, scfg, {"features": feats, "more_features": more}, ctx)
+    # the features' own copy shares the map: rows of both are trained on
+    copy = store.writer(
+        "features", stage="copy", stage_version="1", config={}, inputs={"of": feats.ref}
+    )
+    with copy:
+        ipc = feats.shards("ipc")
+        for name in feats.shards():
+            copy.write_file(name, feats.file(name), fmt="ipc" if name in ipc else "file")
+        twin = copy.commit(meta=feats.meta)
+    ds = run_stage(sft.STAGE, scfg, {"features": feats, "more_features": twin}, ctx).dataset
+    assert ds.meta["more_features"] == [str(twin.ref)]
+    assert ds.meta["train_sequences"] + ds.meta["val_sequences"] == 2 * len(one)
+
+
+def test_sft_refuses_features_of_another_target(tiny_features):
+    store, _, feats = tiny_features
+    other = TargetLoader(TargetConfig(path="random", random={"seed": 1}, aux_layer_ids=[1, 2, 3]))
+    ctx2 = RunContext(store=store, target_loader=other, progress=False)
+    complete = lambda: [r["version"] for r in store.listing() if r["complete"]]  # noqa: E731
+    before = complete()
+    with pytest.raises(OpdError, match="different target"):
+        run_stage(sft.STAGE, sft.Config(steps=2, **FAST), {"features": feats}, ctx2)
+    assert complete() == before
+
+
+def test_config_is_strict_and_checked():
+    with pytest.raises(ValueError, match="tau_k"):
+        sft.Config(ttt_steps=3, tau_k=6)
+    with pytest.raises(ValueError, match="extra"):
+        sft.Config(learning_rate=1e-3)
+    # run-time knobs do not change the dataset version; training knobs do
+    base = version_dict(sft.Config())
+    assert version_dict(sft.Config(stop_after_steps=3, checkpoint_every=7, threads=1)) == base
+    assert version_dict(sft.Config(lr=1e-4)) != base
+
+
+def test_the_objective_leaves_default_versions_unchanged_and_refuses_ttt_only_settings():
+    # unset (EAGLE-3) is not in the hashed config, so every existing sft version stays valid
+    base = version_dict(sft.Config())
+    assert "objective" not in base
+    assert "objective" not in version_dict(load_config("default").sft)
+    assert "objective" not in version_dict(load_config("tiny").sft)
+    # naming the default explicitly is the default
+    assert sft.Config(objective="eagle3").objective is None
+    assert version_dict(sft.Config(objective="eagle3")) == base
+    assert version_dict(load_config("tiny", sets=["sft.objective=eagle3"]).sft) == version_dict(
+        load_config("tiny").sft
+    )
+    eagle1 = sft.Config(objective="eagle1")
+    assert version_dict(eagle1) == base | {"objective": "eagle1"}
+    assert (eagle1.unroll_depth, sft.Config().unroll_depth) == (1, sft.Config().ttt_steps)
+    with pytest.raises(ValueError, match="drop the step_decay setting"):
+        sft.Config(objective="eagle1", step_decay=0.5)
+    with pytest.raises(OpdError, match="drop the step_decay setting"):
+        load_config("tiny", sets=["sft.objective=eagle1", "sft.step_decay=0.5"])
+    with pytest.raises(OpdError, match="'eagle3' or 'eagle1'"):
+        load_config("tiny", sets=["sft.objective=eagle2"])
+
+
+def test_eagle1_trains_one_step_on_the_next_positions_state_and_its_drafter_evaluates(
+    tiny_features,
+):
+    store, ctx, feats = tiny_features
+    target = ctx.target_loader.target
+    cfg = sft.Config(steps=12, objective="eagle1", ttt_steps=3, tau_k=3, **FAST)
+
+    # one batch by hand: step 0's hidden_out at row t regresses onto last_hidden at t+1
+    v = load_file(feats.file(features.VOCAB_FILE))
+    drafter = sft.new_drafter(target, DraftVocab(v["d2t"], v["t2d"]), seed=0)
+    index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
+    batch = index.collate([0, 3, 5])
+    out = sft.train_step(drafter.training_module(), drafter, batch, target, cfg)
+    assert out.row_steps == out.tokens == batch.num_tokens  # one unrolled step per row
+    assert len(out.extra["acc"]) == 1
+    b = validation.to_device(batch, target.device)
+    step0 = drafter.unroll(b["aux_hidden"], b["input_ids"], b["loss_mask"], 1)
+    teacher = teacher_draft_probs(target.logits_from_hidden(b["last_hidden"]), drafter.vocab)
+    rows = step0.valid[0][:, :-1]
+    want = feature_regression(
+        step0.hidden[0][:, :-1], b["last_hidden"][:, 1:], rows
+    ) + 0.1 * soft_cross_entropy(step0.logits[0][:, :-1], teacher[:, 1:], rows)
+    torch.testing.assert_close(out.loss, want)
+
+    ds = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    assert ds.config["stage"]["objective"] == "eagle1" and ds.meta["objective"] == "eagle1"
+    m = pl.read_parquet(ds.file(drafters.METRICS_FILE))
+    train, val = m.filter(pl.col("kind") == "train"), m.filter(pl.col("kind") == "val")
+    assert train["row_steps"].to_list() == train["tokens"].to_list()
+    assert common.sft_budget(ds) == int(train["tokens"].sum())  # not x ttt_steps
+    assert all(len(a) == 1 for a in train["acc"].to_list())
+    # validation unrolls ttt_steps, so it shows acceptance down the chain
+    assert all(len(a) == cfg.ttt_steps for a in val["acc"].to_list())
+    losses = train["loss"].to_list()
+    assert sum(losses[-3:]) < sum(losses[:3])  # it learns
+    # the validation loss is EAGLE-1's, as reloading the drafter reproduces
+    fit_rows, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
+    loaders = {
+        name: training.FeatureLoader(
+            index, rows, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, shuffle=False
+        )
+        for name, rows in (("train", fit_rows), ("val", val_rows))
+    }
+    how = dict(ttt_steps=3, tau_k=3, temperature=1.0, step_decay=0.8, bf16=False)
+    trained = load_drafter(ds.path, target.embed_weight)
+    again = validation.validate(trained, loaders["val"], target, objective="eagle1", **how)
+    assert again["loss"] == val["loss"][-1]
+    assert validation.validate(trained, loaders["val"], target, **how)["loss"] != again["loss"]
+    # it fits its training rows (a random target's next state does not generalise to 2
+    # held-out sequences, so the held-out loss is no test of learning here)
+    fit = {
+        name: validation.validate(d, loaders["train"], target, objective="eagle1", **how)["loss"]
+        for name, d in (("fresh", drafter), ("trained", trained))
+    }
+    assert fit["trained"] < fit["fresh"]
+
+    prompts = store.open(store.open(feats.inputs["trajectories"]).inputs["prompts"])
+    ecfg = evaluate.Config(k=3, max_prompts=3, max_new_tokens=8, batch_size=3)
+    ev = run_stage(evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": ds}, ctx).dataset
+    assert ev.meta["drafter"] == str(ds.ref) and 1 <= ev.meta["tau"] <= 4
+
+
+def test_sft_loss_scores_step_k_against_the_teacher_at_t_plus_k_plus_1(tiny_features):
+    _, ctx, feats = tiny_features
+    target = ctx.target_loader.target
+    v = load_file(feats.file(features.VOCAB_FILE))
+    drafter = sft.new_drafter(target, DraftVocab(v["d2t"], v["t2d"]), seed=0)
+    index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
+    b = index.collate([0, 3, 5])
+    mask = b["loss_mask"].bool()
+    out = drafter.unroll(b["aux_hidden"], b["input_ids"], mask, 4)
+    teacher = teacher_draft_probs(target.logits_from_hidden(b["last_hidden"]), drafter.vocab)
+    got = drafter.sft_loss(out, teacher, b["last_hidden"], decay=0.8, objective=None)
+    # the reference aligns step k's row t with full-size copies of the teacher at t+k+1
+    shifted = [torch.cat([teacher[:, k + 1 :], teacher[:, : k + 1] * 0], 1) for k in range(4)]
+    torch.testing.assert_close(got, ttt_loss(out.logits, shifted, out.valid, 0.8))
+    # and a misaligned teacher gives another value (the check can fail)
+    assert not torch.isclose(got, ttt_loss(out.logits, [teacher] * 4, out.valid, 0.8))
+
+
+_DDP_WORKER = r"""
+import os, sys, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from pipeline.stages import sft
+from pipeline.profiles import load_config
+from pipeline.core.runner import RunContext, run_stage
+from pipeline.core.targets import TargetLoader
+from storage import Store
+root, rank, port, features_ref = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+store = Store(root)
+ctx = RunContext(store=store, target_loader=TargetLoader(load_config("tiny").target), progress=False)
+cfg = sft.Config(steps=4, batch_size=4, val_share=0.2, val_every=2, bf16=False, ttt_steps=3, tau_k=3)
+res = run_stage(sft.STAGE, cfg, {"features": store.open(features_ref)}, ctx, rank=rank, world_size=2)
+print("COMMITTED" if res.dataset is not None else "WAITED", flush=True)
+dist.barrier()  # see test_training's _DDP_WORKER
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_sft_under_ddp_with_two_gloo_ranks_commits_once(tiny_features, tmp_path):
+    store, ctx, feats = tiny_features
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "worker.py"
+    script.write_text(_DDP_WORKER)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(REPO), str(store.root), str(r), port, str(feats.ref)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    # rank 0 writes everything and is the only one that commits
+    assert [o[0].strip().splitlines()[-1] for o in outs] == ["COMMITTED", "WAITED"]
+    ds = store.open("sft@latest")
+    assert set(ds.shards()) == set(drafters.OUTPUT_FILES)
+    ds.verify_all()
+    m = pl.read_parquet(ds.file(drafters.METRICS_FILE)).filter(pl.col("kind") == "train")
+    # each step is one process's step, split over both ranks: its tokens are summed over them
+    assert m["step"].to_list() == [1, 2, 3, 4]
+    index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
+    train_rows, _ = training.holdout_split(index.keys, 0.2, 0)
+    one = training.FeatureLoader(index, train_rows, batch_size=4, max_tokens=4096)
+    plan = (one.plan(0) + one.plan(1))[:4]
+    assert m["tokens"].to_list() == [sum(int(index.lengths[r]) for r in b) for b in plan]
+    assert (
+        load_drafter(ds.path, ctx.target_loader.target.embed_weight).lm_head.weight.shape[0] == 512
+    )
