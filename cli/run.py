@@ -199,7 +199,7 @@ def _run(
         forced = {step.key} if force else set()
     if ranks is not None:
         what = (stage, cfg.model_dump(mode="json"), {r: str(d.ref) for r, d in external.items()})
-        distributed.check_sameconfig(distributed.fingerprint(*what, sorted(forced), run_name))
+        distributed.check_same_config(distributed.fingerprint(*what, sorted(forced), run_name))
         results = distributed.run_steps(steps, ctx, ranks, external=external, force=forced)
         if ranks.rank != 0:  # rank 0 records and reports the run
             return
