@@ -23,6 +23,9 @@ from pipeline.core.drafters import drafter_kind, load_drafter_dataset
 from pipeline.core.targets import EMBEDDED_TARGET, TargetLoader
 from storage import Dataset, OpdError
 
+EXPORTS_DIR = "_exports"
+"""Under the data root: the chain's exports (`ensure_export`), the one place exports may go."""
+
 # A hub id (`org/name`) as opposed to a filesystem path.
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -76,18 +79,13 @@ def vllm_command(target_dir: str, export_dir: Path, k: int, method: str) -> str:
     )
 
 
-@contextmanager
-def staged_out_dir(out: Path, *, overwrite: bool, protected: Sequence[Path]) -> Iterator[Path]:
-    """A temporary sibling of `out` to write into; on success it is renamed into place.
-
-    Refuses `out` when it is a file, when it is or contains a `protected` directory (the target's
-    weights, the data root; even with `overwrite`), and when it is a non-empty directory unless
-    `overwrite`. Until the rename, an existing `out` is untouched, so a failed export loses nothing.
-    """
-    out = Path(out).expanduser().absolute()
-    if out.exists() and not out.is_dir():
-        raise OpdError(f"--out {out} is a file; name a directory (new or empty) to export into")
+def check_out_dir(out: Path, protected: Sequence[Path], exports: Path | None = None) -> None:
+    """Refuse an `out` that is, holds or lies inside a `protected` directory (the data root,
+    the target's weights), even with --overwrite: a rename there replaces datasets or weights.
+    Only the chain's own export area (`exports`, under the data root) may hold exports."""
     resolved = out.resolve()
+    area = exports.resolve() if exports is not None else None
+    in_area = area is not None and area in resolved.parents
     for keep in protected:
         keep = keep.resolve()
         if resolved == keep or resolved in keep.parents:
@@ -95,6 +93,27 @@ def staged_out_dir(out: Path, *, overwrite: bool, protected: Sequence[Path]) -> 
                 f"--out {out} holds {keep}; exporting there would replace it (refused even with "
                 "--overwrite): choose another directory"
             )
+        if keep in resolved.parents and not (in_area and keep in area.parents):
+            raise OpdError(
+                f"--out {out} lies inside {keep}; exporting there could replace what it holds "
+                "(refused even with --overwrite): choose a directory outside it"
+            )
+
+
+@contextmanager
+def staged_out_dir(
+    out: Path, *, overwrite: bool, protected: Sequence[Path], exports: Path | None = None
+) -> Iterator[Path]:
+    """A temporary sibling of `out` to write into; on success it is renamed into place.
+
+    Refuses `out` when it is a file, when it is, holds or lies in a `protected` directory (see
+    `check_out_dir`), and when it is a non-empty directory unless `overwrite`. Until the
+    rename, an existing `out` is untouched, so a failed export loses nothing.
+    """
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise OpdError(f"--out {out} is a file; name a directory (new or empty) to export into")
+    check_out_dir(out, protected, exports)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OpdError(
             f"--out {out} is not empty; pass --overwrite to replace its contents, or choose a new "
@@ -147,8 +166,11 @@ def export_drafter(
         verifier, warning = default_verifier(loader)
         warnings += [warning] if warning else []
     target_dir = _target_dir(loader)
-    protected = [drafter_ds.store.root] + ([target_dir] if target_dir is not None else [])
-    with staged_out_dir(Path(out), overwrite=overwrite, protected=protected) as staging:
+    root = drafter_ds.store.root
+    protected = [root] + ([target_dir] if target_dir is not None else [])
+    with staged_out_dir(
+        Path(out), overwrite=overwrite, protected=protected, exports=root / EXPORTS_DIR
+    ) as staging:
         target = loader.target
         drafter = load_drafter_dataset(drafter_ds, target, loader.identity)
         try:
@@ -193,7 +215,7 @@ def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int)
     if not drafters:
         return None
     last = drafters[-1]
-    base = root / "_exports" / str(last.ref).replace("@", "-")
+    base = root / EXPORTS_DIR / str(last.ref).replace("@", "-")
     formats = drafter_class(drafter_kind(last)).export_formats
     infos = [export_drafter(last, loader, f, base / f, k, overwrite=True) for f in formats]
     return infos[0] | {"formats": list(formats)}
@@ -206,7 +228,7 @@ def ensure_export(
     `fmt` None: its kind's first format), written now unless a complete one is there (its
     config.json is written last)."""
     fmt = fmt or drafter_class(drafter_kind(drafter_ds)).export_formats[0]
-    path = root / "_exports" / str(drafter_ds.ref).replace("@", "-") / fmt
+    path = root / EXPORTS_DIR / str(drafter_ds.ref).replace("@", "-") / fmt
     if not (path / CONFIG_FILE).exists():
         export_drafter(drafter_ds, loader, fmt, path, k)
     return path

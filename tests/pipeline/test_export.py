@@ -95,6 +95,29 @@ def test_export_never_writes_into_the_targets_directory(trained):
     assert _sha(target_dir / "model.safetensors") == weights
 
 
+def test_export_never_writes_inside_the_data_root_or_the_target(trained):
+    root, target_dir, ref = trained
+    version = ref.split("@")[1]
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*") if "_cache" not in p.parts)
+    inside = [
+        root / "sft",
+        root / "sft" / version,
+        root / "_runs",
+        root / "newdir",
+        root / "sft" / version / "deeper",
+        target_dir / "sub",
+    ]
+    for out in inside:
+        r = opd(
+            root, "export", *named(target_dir), "--drafter", ref, "--out", str(out), "--overwrite"
+        )
+        one_line_error(r, "lies inside")
+    after = sorted(str(p.relative_to(root)) for p in root.rglob("*") if "_cache" not in p.parts)
+    assert after == before  # not a dataset, LATEST or lock lost, nothing new created
+    assert not (target_dir / "sub").exists()
+    assert opd(root, "show", ref).exit_code == 0
+
+
 def test_export_overwrite_replaces_the_directory_whole(trained, tmp_path):
     root, target_dir, ref = trained
     out = tmp_path / "drafter"
