@@ -416,6 +416,13 @@ class DatasetWriter:
                 tmp.unlink(missing_ok=True)
         return self
 
+    def discard_if_empty(self) -> None:
+        """Remove this writer's directory if nothing was written into it (a run refused before
+        its first shard), so it does not show as an incomplete dataset until `opd gc`."""
+        self._require_lock()
+        with contextlib.suppress(OSError):  # not empty (or already gone): keep it for a re-run
+            self.dir.rmdir()
+
     def _owned(self, name: str) -> bool:
         return f".tmp-r{self.rank}-" in name
 

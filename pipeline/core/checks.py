@@ -66,3 +66,16 @@ def check_drafter_vocab(data: Dataset, drafter: Drafter, drafter_ref: str) -> No
             + "; the map is frozen from the features stage on: use data made with this "
             "drafter's lineage (e.g. its rollouts), or the drafter that made the data"
         )
+
+
+def check_made_by(data: Dataset, drafter: Dataset) -> None:
+    """Refuse on-policy data (rollouts, replays) that another drafter made: it records the states
+    that drafter's own proposals led to, so training or replaying another on it is off-policy.
+    Data whose manifest records no drafter (written by hand) is not checked."""
+    made_by = data.inputs.get("drafter")
+    if made_by is not None and made_by != str(drafter.ref):
+        raise OpdError(
+            f"{data.ref} was made by {made_by}, not by {drafter.ref} (--input drafter): on-policy "
+            f"data belongs to its drafter; pass --input drafter={made_by}, or make "
+            f"{data.ref.name} with {drafter.ref} first"
+        )

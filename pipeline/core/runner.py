@@ -97,6 +97,16 @@ def _check_not_empty(stage: Stage, writer: DatasetWriter, inputs: dict[str, Data
         )
 
 
+def _rehash_inputs(inputs: dict[str, Dataset]) -> None:
+    """Hash every byte of every input before training or a forced recompute. Readers otherwise
+    trust a file whose size and mtime match the hash checked on first read, so a byte flipped
+    in place would be trained on and committed under the same version. A training stage runs
+    for minutes where sha256 reads GB/s; --force is a recompute asked for because something
+    looked wrong."""
+    for ds in inputs.values():
+        ds.verify_all(rehash=True)
+
+
 def _out_of_memory(stage: Stage, cfg: StrictConfig, rank: int) -> str:
     batch = getattr(cfg, "batch_size", None)
     knob = (
@@ -122,6 +132,8 @@ def run_stage(
     world_size: int = 1,
 ) -> StageResult:
     stage.check_inputs(inputs)
+    if stage.precheck is not None:
+        stage.precheck(cfg, inputs, ctx)
     for role, ds in inputs.items():
         log.info("[%s] reads %s: %s", stage.name, role, ds.ref)
     writer = ctx.store.writer(
@@ -140,6 +152,8 @@ def run_stage(
         ctx.store.set_latest(writer.ref)
         log.info("[%s] %s exists; nothing to do (use --force to recompute)", stage.name, writer.ref)
         return StageResult(ctx.store.open(writer.ref), True, 0.0)
+    if force or stage.ddp:
+        _rehash_inputs(inputs)
     with writer:
         if writer.exists():  # another process committed it while we waited for the lock
             return StageResult(ctx.store.open(writer.ref), True, time.perf_counter() - t0)
@@ -151,10 +165,14 @@ def run_stage(
         except torch.OutOfMemoryError:
             if world_size > 1:
                 writer.rank_failed()
+            else:
+                writer.discard_if_empty()
             raise OpdError(_out_of_memory(stage, cfg, rank)) from None
         except Exception:
             if world_size > 1:
                 writer.rank_failed()
+            else:
+                writer.discard_if_empty()  # a refusal before any shard leaves no directory
             raise
         if stage.uses_target:
             meta = {**meta, **ctx.target_loader.record()}

@@ -56,6 +56,9 @@ class Stage:
     drafting: Mapping[str, str] = field(default_factory=dict)
     """Config fields tied to the pipeline's `drafting` section: field -> drafting field. Users
     set `drafting.k` once; each stage's version holds only the K-values it uses."""
+    precheck: Callable[[Any, Mapping[str, Dataset], Any], None] | None = None
+    """precheck(cfg, inputs, ctx): cheap checks that the inputs belong together (target,
+    lineage), run before the output's directory exists, so a refused run leaves nothing."""
     version_extra: Callable[[Any], dict] | None = None
     """Extra data hashed into the version (e.g. a source file's content hash)."""
     engine: Callable[[Any, Any], str] | None = None

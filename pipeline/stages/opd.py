@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from models.drafter import Drafter
 from models.losses import ReplayLoss, acceptance_rate, replay_loss, teacher_draft_probs
 from pipeline.core import training, validation
-from pipeline.core.checks import check_same_target, check_same_vocab
+from pipeline.core.checks import check_made_by, check_same_target, check_same_vocab
 from pipeline.core.drafters import load_drafter_dataset, write_drafter_dataset, written_summary
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
@@ -473,13 +473,16 @@ def _validate(drafter: Drafter, data: _Data, target: Any, cfg: Config) -> dict[s
 # -- the stage -------------------------------------------------------------------------------
 
 
-def _check_inputs(cfg: Config, inputs: dict[str, Dataset], identity: dict) -> None:
-    """Everything must come from one target, one vocab map, and the rollouts replayed on."""
+def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> None:
+    """Everything must come from one target, one vocab map, the rollouts replayed on, and the
+    drafter being trained (on-policy data belongs to the drafter that made it)."""
     replays, rollouts, source = inputs["replays"], inputs["rollouts"], inputs["drafter"]
     feats, heldout = inputs.get("features"), inputs.get("heldout")
     for ds in (replays, rollouts, source, feats, heldout):
         if ds is not None:
-            check_same_target(ds, identity)
+            check_same_target(ds, ctx.target_loader.identity)
+    check_made_by(rollouts, source)
+    check_made_by(replays, source)
     scored_on = replays.inputs.get("rollouts")
     if scored_on is not None and scored_on != str(rollouts.ref):
         raise OpdError(
@@ -749,7 +752,6 @@ def run(
 ) -> dict:
     replays, rollouts, source = inputs["replays"], inputs["rollouts"], inputs["drafter"]
     identity = ctx.target_loader.identity
-    _check_inputs(cfg, inputs, identity)
     rank, world_size = training.resolve_ranks(rank, world_size)
     if (summary := written_summary(output)) is not None:
         return summary
@@ -768,13 +770,6 @@ def run(
         return _pass_through(output, source, replays, base, rank)
 
     drafter = load_drafter_dataset(source, target, identity)
-    if (made_by := replays.inputs.get("drafter")) not in (None, str(source.ref)):
-        log.warning(
-            "[opd] %s was replayed by %s; training %s on it (off-policy)",
-            replays.ref,
-            made_by,
-            source.ref,
-        )
     data = _setup_data(
         cfg, inputs, drafter.vocab, rank, world_size, pin_memory=target.device.type == "cuda"
     )
@@ -838,6 +833,7 @@ STAGE = Stage(
         "heldout": ("rollouts", "features"),  # measured at every validation, never trained on
     },
     default_inputs={"drafter": "sft@latest"},
+    precheck=precheck,
     per_round=True,
     drafting={"val_ttt_steps": "k"},
     ddp=True,

@@ -1,8 +1,9 @@
 """Stage 5, `score`: replay drafting from the rollout's error positions; the target scores it.
 
 Consumes `rollouts` and a drafter (`sft` or `opd`), with the target. The drafter must be the one
-that produced the rollout or a newer one with the same draft-vocab map (d2t/t2d are compared
-with the rollout's `draft_vocab.safetensors`), and both must come from this target.
+that produced the rollout (its manifest's `drafter` input; on-policy data belongs to its drafter),
+its draft-vocab map the rollout's (d2t/t2d are compared with the rollout's
+`draft_vocab.safetensors`), and both must come from this target.
 
 Anchors (per sequence): every verify step's first rejected position (`anchors="rejected"`),
 plus accepted positions sampled so that their number is `accepted_share` x the number of
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -60,7 +62,12 @@ from tqdm import tqdm
 
 from models.drafter import Drafter
 from models.target import Target
-from pipeline.core.checks import VOCAB_FILE, check_drafter_vocab, check_same_target
+from pipeline.core.checks import (
+    VOCAB_FILE,
+    check_drafter_vocab,
+    check_made_by,
+    check_same_target,
+)
 from pipeline.core.config import DraftTree, StrictConfig, optional_field
 from pipeline.core.drafters import load_drafter_dataset
 from pipeline.core.rollouts import shard_files
@@ -306,6 +313,12 @@ def summarize(output: DatasetWriter, cfg: Config) -> dict[str, Any]:
     return meta
 
 
+def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> None:
+    """The rollouts come from this target and from the drafter that replays them."""
+    check_same_target(inputs["rollouts"], ctx.target_loader.identity)
+    check_made_by(inputs["rollouts"], inputs["drafter"])
+
+
 def run(
     cfg: Config,
     inputs: dict[str, Dataset],
@@ -316,7 +329,6 @@ def run(
 ) -> dict:
     rollouts, drafter_ds = inputs["rollouts"], inputs["drafter"]
     identity = ctx.target_loader.identity
-    check_same_target(rollouts, identity)
     target = ctx.target_loader.target
     drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
     check_drafter_vocab(rollouts, drafter, str(drafter_ds.ref))
@@ -368,6 +380,7 @@ STAGE = Stage(
     doc="replay drafting from the rollout's error positions; the target scores every proposal",
     inputs={"rollouts": ("rollouts",), "drafter": DRAFTER_DATASETS},
     default_inputs={"drafter": "sft@latest"},
+    precheck=precheck,
     sharded=True,
     per_round=True,
     # A drafter the target never rejected leaves nothing to replay; opd then keeps it as is.

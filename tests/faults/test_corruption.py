@@ -1,5 +1,6 @@
 """A corrupted artifact of each kind is an error (or, for a checkpoint, a warning) naming it."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -68,3 +69,18 @@ def test_a_corrupted_target_weights_file_is_an_error_naming_it(tmp_path, damage)
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(OpdError, match="model.safetensors"):
         _ = TargetLoader(TargetConfig(path=str(target))).identity
+
+
+def test_a_byte_flipped_in_place_is_found_by_a_forced_training_run(reference, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(reference.root, root)
+    feats = Store(root).open(str(reference.results["features"].ref))
+    feats.verify_all()  # the verify cache vouches for every shard's size and mtime
+    shard = feats.path / "part-00001.arrow"
+    st = shard.stat()
+    flip(shard)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    error = one_line_error([*opd_args(root, "sft"), "--force"])
+    assert f"{feats.ref}: shard 'part-00001.arrow' fails its sha256 check" in error
+    sft = reference.results["sft"].dataset
+    assert sums(Store(root).open(str(sft.ref))) == sums(sft)  # the committed drafter is kept

@@ -403,6 +403,33 @@ def test_foreign_vocab_and_foreign_rollouts_are_refused(world, tmp_path):
     with pytest.raises(OpdError, match="was scored on"):
         run_stage(opd.STAGE, opd.Config(steps=2, **FAST), _inputs(world, rollouts=elsewhere), ctx)
     assert complete() == before  # nothing committed
+    assert all(r["complete"] for r in store.listing("opd"))  # and no empty directory left
+
+
+def _copy_dataset(store, ds, name, inputs=None):
+    """`ds`'s files as another version of `name` (same bytes, another ref and lineage)."""
+    w = store.writer(
+        name, stage="test-copy", stage_version="1", config={"of": str(ds.ref)}, inputs=inputs
+    )
+    with w:
+        for shard in ds.shards():
+            w.write_file(shard, ds.file(shard), fmt=ds._shards[shard]["format"])
+        return w.commit()
+
+
+def test_rollouts_and_replays_of_another_drafter_are_refused_before_any_work(world):
+    store, ctx = world["store"], world["ctx"]
+    versions = lambda: [(r["version"], r["complete"]) for r in store.listing("opd")]  # noqa: E731
+    before = versions()
+    other = _copy_dataset(store, world["drafter"], "sft")
+    # the replays were made by world["drafter"], not by `other`
+    with pytest.raises(OpdError, match=rf"was made by {world['drafter'].ref}, not by {other.ref}"):
+        run_stage(opd.STAGE, opd.Config(steps=2, **FAST), _inputs(world, drafter=other), ctx)
+    # rollouts decoded by `other`, replayed and trained with world["drafter"]
+    theirs = _copy_dataset(store, world["rollouts"], "rollouts", {"drafter": other.ref})
+    with pytest.raises(OpdError, match=rf"{theirs.ref} was made by {other.ref}"):
+        run_stage(opd.STAGE, opd.Config(steps=2, **FAST), _inputs(world, rollouts=theirs), ctx)
+    assert versions() == before  # nothing committed, no empty directory
 
 
 def test_empty_replays_are_a_clear_no_op(world, caplog):

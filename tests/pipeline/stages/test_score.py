@@ -212,20 +212,20 @@ def write_drafter_dataset(store, ctx, vocab: DraftVocab):
         return w.commit()
 
 
-def test_refuses_another_vocab_map_and_another_target(env):
+def test_refuses_another_drafter_and_another_target(env):
     store, ctx, drafter_ds, drafter, greedy, sampled = env
     counts = torch.randperm(drafter.config.vocab_size, generator=torch.Generator().manual_seed(1))
     foreign = write_drafter_dataset(
         store, ctx, DraftVocab.from_counts(counts, drafter.config.draft_vocab_size)
     )
-    with pytest.raises(OpdError, match="another draft-vocab map"):
+    with pytest.raises(OpdError, match=rf"was made by {drafter_ds.ref}, not by {foreign.ref}"):
         run_stage(score.STAGE, score.Config(), {"rollouts": greedy, "drafter": foreign}, ctx)
-    # a newer drafter with the same map is accepted
+    # another drafter with the same map is refused too: the rollouts are its predecessor's
+    # states, not its own (on-policy data belongs to the drafter that made it)
     same = write_drafter_dataset(store, ctx, drafter.vocab)
-    ds = run_stage(
-        score.STAGE, score.Config(k=2), {"rollouts": greedy, "drafter": same}, ctx
-    ).dataset
-    assert ds.meta["drafter"] == str(same.ref) and ds.meta["rollout_drafter"] == str(drafter_ds.ref)
+    with pytest.raises(OpdError, match=rf"was made by {drafter_ds.ref}, not by {same.ref}"):
+        run_stage(score.STAGE, score.Config(k=2), {"rollouts": greedy, "drafter": same}, ctx)
+    assert all(r["complete"] for r in store.listing("replays"))  # refused before any directory
 
     other = TargetLoader(TargetConfig(path="random", random={"seed": 1}, aux_layer_ids=[1, 2, 3]))
     ctx2 = RunContext(store=store, target_loader=other, progress=False)
