@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from cli.common import PROFILE_HELP, command_config, command_target
-from storage import Store
+from storage import OpdError, Store
 
 
 @click.command("export")
@@ -28,8 +28,16 @@ from storage import Store
 @click.option(
     "--out",
     type=click.Path(path_type=Path),
-    required=True,
+    default=None,
     help="Directory to write (new or empty; see --overwrite).",
+)
+@click.option(
+    "--verify",
+    "verify_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Check an export directory against the sha256 of every file it was written with "
+    "(opd_export.json), and export nothing.",
 )
 @click.option(
     "--overwrite", is_flag=True, help="Replace a non-empty --out (never the target's directory)."
@@ -54,7 +62,8 @@ def export_cmd(
     store: Store,
     drafter_ref: str,
     fmt: str | None,
-    out: Path,
+    out: Path | None,
+    verify_dir: Path | None,
     overwrite: bool,
     k: int | None,
     verifier: str | None,
@@ -62,8 +71,16 @@ def export_cmd(
     sets: tuple[str, ...],
 ) -> None:
     """Write a drafter as a directory vLLM loads, and print the command that serves it."""
-    from pipeline.export import export_drafter
+    from pipeline.export import export_drafter, verify_export
 
+    if verify_dir is not None:
+        if out is not None:
+            raise OpdError("--verify checks an existing export and --out writes one: pass one")
+        n = verify_export(verify_dir)
+        click.echo(f"{verify_dir}: all {n} files match their sha256 (opd_export.json)")
+        return
+    if out is None:
+        raise OpdError("--out is required: the directory to export into (or --verify DIR)")
     cfg = command_config(profile, sets, k)
     drafter = store.open(drafter_ref)
     cfg, loader = command_target(cfg, profile, sets, [drafter])

@@ -8,7 +8,9 @@ and must give the trained module's logits (bit-exact in fp32) before the export 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -18,10 +20,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from models.drafters import drafter_class
-from models.export import CONFIG_FILE, ExportError, round_trip_diff, write_export
+from models.export import ExportError, round_trip_diff, write_export
 from pipeline.core.drafters import drafter_kind, load_drafter_dataset
 from pipeline.core.targets import EMBEDDED_TARGET, TargetLoader
 from storage import Dataset, OpdError
+
+log = logging.getLogger("opd")
+
+CHECKSUMS_FILE = "opd_export.json"
+"""Size and sha256 of every file of an export, written last (`opd export --verify DIR`)."""
 
 EXPORTS_DIR = "_exports"
 """Under the data root: the chain's exports (`ensure_export`), the one place exports may go."""
@@ -140,6 +147,56 @@ def staged_out_dir(
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(export_dir: Path, **about: str) -> None:
+    """Record every file's size and sha256 in `CHECKSUMS_FILE`, written last: an export is
+    complete, and verifiable, only once it is there."""
+    files = sorted(p for p in export_dir.iterdir() if p.is_file())
+    listed = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    record = {"format_version": 1, **about, "files": listed}
+    (export_dir / CHECKSUMS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def export_problem(export_dir: Path) -> str | None:
+    """What is wrong with an export directory against its checksums (None: every file matches)."""
+    record_path = export_dir / CHECKSUMS_FILE
+    if not record_path.is_file():
+        return f"it has no {CHECKSUMS_FILE} (not an export, an unfinished one, or an older one)"
+    try:
+        files = json.loads(record_path.read_text())["files"]
+        expected = {str(n): (int(f["bytes"]), str(f["sha256"])) for n, f in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its {CHECKSUMS_FILE} is unreadable ({e})"
+    present = {p.name for p in export_dir.iterdir() if p.is_file()} - {CHECKSUMS_FILE}
+    if extra := sorted(present - set(expected)):
+        return f"{extra[0]} is not one of the files it was exported with"
+    for name, (size, sha) in expected.items():
+        path = export_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size or _sha256(path) != sha:
+            return f"{name} fails its sha256 check (changed since the export)"
+    return None
+
+
+def verify_export(export_dir: Path) -> int:
+    """The number of files checked; an OpdError naming the first problem."""
+    export_dir = Path(export_dir).expanduser()
+    if not export_dir.is_dir():
+        raise OpdError(f"{export_dir} is not a directory: name an `opd export --out` directory")
+    problem = export_problem(export_dir)
+    if problem is not None:
+        raise OpdError(f"export {export_dir} fails verification: {problem}; export it again")
+    return len(json.loads((export_dir / CHECKSUMS_FILE).read_text())["files"])
+
+
 def export_drafter(
     drafter_ds: Dataset,
     loader: TargetLoader,
@@ -191,6 +248,7 @@ def export_drafter(
             raise OpdError(
                 f"export of {drafter_ds.ref} does not reproduce the drafter (max logit diff {diff})"
             )
+        write_checksums(staging, drafter=str(drafter_ds.ref), fmt=fmt)
     path = Path(out).expanduser().absolute()
     return {
         "drafter": str(drafter_ds.ref),
@@ -226,9 +284,13 @@ def ensure_export(
 ) -> Path:
     """The drafter's export under <root>/_exports/<NAME-VERSION>/<fmt> (the full chain's place;
     `fmt` None: its kind's first format), written now unless a complete one is there (its
-    config.json is written last)."""
+    checksums are checked: one that fails them is written again, with a warning)."""
     fmt = fmt or drafter_class(drafter_kind(drafter_ds)).export_formats[0]
     path = root / EXPORTS_DIR / str(drafter_ds.ref).replace("@", "-") / fmt
-    if not (path / CONFIG_FILE).exists():
-        export_drafter(drafter_ds, loader, fmt, path, k)
+    if path.exists():
+        problem = export_problem(path)
+        if problem is None:
+            return path
+        log.warning("cached export %s is not reused: %s; exporting it again", path, problem)
+    export_drafter(drafter_ds, loader, fmt, path, k, overwrite=True)
     return path

@@ -20,7 +20,7 @@ from pipeline.core.targets import (
     target_for,
     target_spec,
 )
-from pipeline.export import default_verifier
+from pipeline.export import default_verifier, ensure_export, verify_export
 from pipeline.profiles import load_config
 from pipeline.stages import features, generate, sft
 from storage import OpdError, Store
@@ -140,8 +140,49 @@ def test_export_overwrite_replaces_the_directory_whole(trained, tmp_path):
     assert [p.name for p in out.iterdir()] == ["stale.txt"]
     r = opd(root, "export", *named(target_dir), "--drafter", ref, "--out", str(out), "--overwrite")
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    files = ["config.json", "model.safetensors", "opd_export.json"]
+    assert sorted(p.name for p in out.iterdir()) == files
     assert [p.name for p in tmp_path.iterdir()] == ["drafter"]  # no staging leftovers
+
+
+def test_an_export_carries_checksums_that_verify_finds_a_flipped_byte_with(trained, tmp_path):
+    root, target_dir, ref = trained
+    out = tmp_path / "drafter"
+    assert (
+        opd(root, "export", *named(target_dir), "--drafter", ref, "--out", str(out)).exit_code == 0
+    )
+    record = json.loads((out / "opd_export.json").read_text())
+    assert record["drafter"] == ref
+    assert record["files"]["model.safetensors"]["sha256"] == _sha(out / "model.safetensors")
+    r = opd(root, "export", "--verify", str(out))
+    assert r.exit_code == 0 and "all 2 files match" in r.output, r.output
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    one_line_error(opd(root, "export", "--verify", str(out)), "model.safetensors fails its sha256")
+    (out / "opd_export.json").unlink()
+    one_line_error(opd(root, "export", "--verify", str(out)), "has no opd_export.json")
+
+
+def test_a_cached_export_that_fails_its_checksums_is_written_again(trained, caplog):
+    root, target_dir, ref = trained
+    store = Store(root)
+    drafter = store.open(ref)
+    loader = TargetLoader(target_for([drafter], load_config("tiny").target, stated=False))
+    path = ensure_export(drafter, loader, root, 3)
+    weights = path / "model.safetensors"
+    good = _sha(weights)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="opd"):
+        assert ensure_export(drafter, loader, root, 3) == path
+    assert "model.safetensors fails its sha256 check" in caplog.text
+    assert _sha(weights) == good and verify_export(path) == 2
+    caplog.clear()
+    assert ensure_export(drafter, loader, root, 3) == path  # a good one is reused silently
+    assert caplog.text == ""
 
 
 def test_export_out_naming_a_file_and_bad_k_are_one_line_errors(trained, tmp_path):
