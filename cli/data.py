@@ -37,12 +37,15 @@ def ls_cmd(store: Store, name: str | None, as_json: bool) -> None:
     click.echo(f"{'dataset':<28} {'state':<10} {'rows':>8} {'bytes':>10}  created")
     for r in rows:
         ref = f"{r['name']}@{r['version']}" + (" *" if r["latest"] else "")
-        state = "complete" if r["complete"] else "INCOMPLETE"
+        state = "INVALID" if r["invalid"] else "complete" if r["complete"] else "INCOMPLETE"
         rows_s = "-" if r["rows"] is None else str(r["rows"])
         click.echo(
             f"{ref:<28} {state:<10} {rows_s:>8} {_human_bytes(r['bytes']):>10}  {r['created'] or '-'}"
         )
     click.echo("(* = latest)")
+    for r in rows:
+        if r["invalid"]:
+            click.echo(f"INVALID {r['name']}@{r['version']}: {r['invalid']}")
 
 
 def _print_tree(node: dict[str, Any], indent: str = "", role: str = "") -> None:

@@ -186,6 +186,27 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
+def _outside_root(store: Store, path: Path) -> str | None:
+    """Why `path` (a version directory) is not the root's own: a link that leaves the root
+    would let a directory elsewhere pass for a dataset of this one."""
+    real, root = path.resolve(), store.root.resolve()
+    if root not in real.parents:
+        return f"{path} resolves to {real}, outside the data root {root}"
+    return None
+
+
+def _identity_problem(store: Store, ref: DatasetRef, manifest: dict[str, Any]) -> str | None:
+    """Why the directory of `ref` does not hold `ref` (None when it does): a version directory
+    copied or renamed keeps the manifest of the version it was made as."""
+    path = store.dataset_dir(ref.name, ref.version)
+    if (outside := _outside_root(store, path)) is not None:
+        return outside
+    theirs = f"{manifest.get('name')}@{manifest.get('version')}"
+    if theirs != str(ref):
+        return f"{path} holds the manifest of {theirs} (copied or renamed)"
+    return None
+
+
 class Dataset:
     """A committed dataset opened for reading. Only shards listed in the manifest are read."""
 
@@ -194,6 +215,11 @@ class Dataset:
         self.ref = ref
         self.path = store.dataset_dir(ref.name, ref.version)
         manifest_path = self.path / MANIFEST
+        if self.path.exists() and (outside := _outside_root(store, self.path)) is not None:
+            raise CorruptDataset(
+                f"{ref} is not a dataset of this root: {outside}; remove the link and re-run "
+                "its stage here"
+            )
         if not manifest_path.exists():
             if self.path.exists():
                 raise DatasetNotFound(
@@ -224,6 +250,11 @@ class Dataset:
             raise CorruptDataset(
                 f"{ref}: manifest.json fails its sha256 check (edited or corrupted): "
                 f"delete {self.path} and re-run its stage"
+            )
+        if (problem := _identity_problem(store, ref, self.manifest)) is not None:
+            raise CorruptDataset(
+                f"{ref} is not what its directory holds: {problem}; remove {self.path} (or "
+                "give it back its own name) and re-run its stage"
             )
         self._shards = {s["path"]: s for s in self.manifest.get("shards", [])}
         self._verified: set[str] = set()
@@ -882,10 +913,17 @@ class Store:
             for v in self.versions(n):
                 d = self.dataset_dir(n, v)
                 row: dict[str, Any] = {"name": n, "version": v, "latest": v == latest}
+                row["invalid"] = None
+                if (outside := _outside_root(self, d)) is not None:  # not read: not ours
+                    row |= {"complete": False, "invalid": outside, "rows": None, "bytes": None}
+                    rows.append(row | {"created": None})
+                    continue
                 try:
                     m = json.loads((d / MANIFEST).read_text())
+                    problem = _identity_problem(self, DatasetRef(n, v), m)
                     row |= {
-                        "complete": True,
+                        "complete": problem is None,
+                        "invalid": problem,
                         "rows": m["rows"],
                         "bytes": m["bytes"],
                         "created": m["provenance"]["committed_at"],
@@ -942,8 +980,8 @@ class Store:
             d = self.root / name
             beside = {m.group(1) for p in d.iterdir() if (m := _BESIDE_RE.fullmatch(p.name))}
             for v in sorted({*self.versions(name), *beside}):
-                if self._locked(name, v):
-                    continue
+                if self._locked(name, v) or _outside_root(self, self.dataset_dir(name, v)):
+                    continue  # held by a writer, or not the root's to clean
                 keep = self._recovery_source(name, v)
                 if not dry_run:
                     self._restore(name, v)

@@ -245,3 +245,40 @@ def test_an_edited_manifest_that_still_parses_is_refused(tmp_path):
         store.open(ds.ref)
     path.write_text(text)
     assert store.open(ds.ref).num_rows == 2
+
+
+# -- a version directory proves which version it is -----------------------------------------
+
+
+def test_a_copied_or_linked_version_directory_is_refused_and_listed_invalid(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    store = Store(tmp_path / "root")
+    ds = make(store, [1, 2, 3])
+    copy = store.root / "prompts" / "bbbbbbbbbbbb"
+    shutil.copytree(ds.path, copy)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(ds.path, elsewhere)
+    link = store.root / "prompts" / "cccccccccccc"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(CorruptDataset, match=rf"holds the manifest of {ds.ref} \(copied"):
+        store.open("prompts@bbbbbbbbbbbb")
+    with pytest.raises(CorruptDataset, match="outside the data root"):
+        store.open("prompts@cccc")
+    rows = {r["version"]: r for r in store.listing("prompts")}
+    assert rows[ds.ref.version]["complete"] and rows[ds.ref.version]["invalid"] is None
+    for v in ("bbbbbbbbbbbb", "cccccccccccc"):
+        assert not rows[v]["complete"] and rows[v]["invalid"]
+    out = CliRunner().invoke(cli, ["--root", str(store.root), "ls", "prompts"])
+    assert out.exit_code == 0, out.output
+    assert sum("INVALID" in line for line in out.output.splitlines()) == 4  # 2 rows, 2 reasons
+    r = CliRunner().invoke(cli, ["--root", str(store.root), "show", "prompts@bbbb", "--verify"])
+    assert r.exit_code == 2 and "copied or renamed" in r.output, r.output
+    assert values(store) == [1, 2, 3, 2, 3, 4]  # the real version reads as before
+    (elsewhere / ".part-9.parquet.tmp-1").write_text("")  # what gc would take from a dataset
+    store.gc()
+    assert copy.is_dir() and sorted(p.name for p in elsewhere.iterdir()) == sorted(
+        [*(p.name for p in ds.path.iterdir()), ".part-9.parquet.tmp-1"]
+    )  # refused, never deleted, and nothing outside the root cleaned
