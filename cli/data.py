@@ -90,9 +90,18 @@ def show_cmd(store: Store, ref: str, as_json: bool, verify: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 @click.pass_obj
 def gc_cmd(store: Store, dry_run: bool) -> None:
-    """Remove incomplete datasets and stale temporaries (never a complete dataset)."""
+    """Remove incomplete datasets and stale temporaries (never a complete dataset), and what
+    killed exports left under <root>/_exports."""
+    from pipeline.export import tidy_exports
+
     removed = store.gc(dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     for p in removed:
         click.echo(f"{verb} {p}")
-    click.echo(f"{verb} {len(removed)} path(s)")
+    exports = tidy_exports(store.root, dry_run=dry_run)
+    for action in exports:
+        click.echo(f"would be {action}" if dry_run else action)
+    click.echo(
+        f"{verb} {len(removed)} path(s)"
+        + (f"; {len(exports)} export leftover(s)" if exports else "")
+    )

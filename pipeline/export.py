@@ -107,6 +107,53 @@ def check_out_dir(out: Path, protected: Sequence[Path], exports: Path | None = N
             )
 
 
+# What `staged_out_dir` leaves beside `--out` when killed: `.NAME.export-PID` (an unverified
+# copy being written) and `.NAME.replaced-PID` (the old export, set aside during an overwrite).
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>export|replaced)-(?P<pid>\d+)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process: not ours to judge
+    return True
+
+
+def tidy_export_leftovers(
+    parent: Path, name: str | None = None, *, dry_run: bool = False
+) -> list[str]:
+    """Clean what killed exports left in `parent` (beside the export `name`, or any): a staging
+    copy is removed; an old export set aside by an overwrite is put back where its export is
+    missing, else removed. Only dead processes' leftovers. Returns one line per action."""
+    actions = []
+    for path in sorted(parent.glob(".*")) if parent.is_dir() else []:
+        m = _LEFTOVER.fullmatch(path.name)
+        if m is None or not path.is_dir() or (name is not None and m["name"] != name):
+            continue
+        if _alive(int(m["pid"])):
+            continue
+        out = parent / m["name"]
+        if m["kind"] == "replaced" and not out.exists():
+            actions.append(f"restored {out} from {path.name}")
+            if not dry_run:
+                path.rename(out)
+            continue
+        actions.append(f"removed {path}")
+        if not dry_run:
+            shutil.rmtree(path)
+    return actions
+
+
+def tidy_exports(root: Path, *, dry_run: bool = False) -> list[str]:
+    """`tidy_export_leftovers` over the chain's export area `<root>/_exports` (`opd gc`)."""
+    area = root / EXPORTS_DIR
+    parents = [area, *(p for p in area.glob("*") if p.is_dir() and not p.name.startswith("."))]
+    return [a for p in parents for a in tidy_export_leftovers(p, dry_run=dry_run)]
+
+
 @contextmanager
 def staged_out_dir(
     out: Path, *, overwrite: bool, protected: Sequence[Path], exports: Path | None = None
@@ -121,6 +168,8 @@ def staged_out_dir(
     if out.exists() and not out.is_dir():
         raise OpdError(f"--out {out} is a file; name a directory (new or empty) to export into")
     check_out_dir(out, protected, exports)
+    for action in tidy_export_leftovers(out.parent, out.name):
+        log.warning("an earlier export of %s was killed: %s", out, action)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OpdError(
             f"--out {out} is not empty; pass --overwrite to replace its contents, or choose a new "

@@ -6,7 +6,10 @@ target's own files exist to be protected, and its path is what the datasets reco
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -183,6 +186,60 @@ def test_a_cached_export_that_fails_its_checksums_is_written_again(trained, capl
     caplog.clear()
     assert ensure_export(drafter, loader, root, 3) == path  # a good one is reused silently
     assert caplog.text == ""
+
+
+def _dead_pid():
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout
+    )
+
+
+def _leftovers(parent, name, contents):
+    """What a killed export of `name` leaves in `parent`: {kind: PID-suffixed sibling}."""
+    made = {}
+    for kind, text in contents.items():
+        made[kind] = parent / f".{name}.{kind}-{_dead_pid()}"
+        made[kind].mkdir(parents=True)
+        (made[kind] / "config.json").write_text(text)
+    return made
+
+
+def test_a_killed_exports_leftovers_are_cleaned_and_its_old_export_restored(trained, tmp_path):
+    root, target_dir, ref = trained
+    out = tmp_path / "drafter"
+    # killed between the overwrite's two renames: the old export lives only in .replaced-PID
+    made = _leftovers(tmp_path, "drafter", {"export": "half-written", "replaced": "old export"})
+    live = tmp_path / f".drafter.export-{os.getppid()}"  # a live process's: not ours to take
+    live.mkdir()
+    r = opd(root, "export", *named(target_dir), "--drafter", ref, "--out", str(out))
+    assert r.exit_code == 2 and "is not empty" in r.output, r.output
+    assert (out / "config.json").read_text() == "old export"  # restored, then kept
+    assert not made["export"].exists() and not made["replaced"].exists() and live.is_dir()
+    # killed after the swap: the old export beside the new one is removed
+    made = _leftovers(tmp_path, "drafter", {"replaced": "older export"})
+    r = opd(root, "export", *named(target_dir), "--drafter", ref, "--out", str(out), "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["drafter", live.name])
+    assert opd(root, "export", "--verify", str(out)).exit_code == 0
+    live.rmdir()
+
+
+def test_gc_cleans_what_killed_exports_left_under_the_data_root(trained, tmp_path):
+    root, target_dir, ref = trained
+    base = shutil.copytree(root, tmp_path / "root")
+    parent = base / "_exports" / "sft-0123456789ab"
+    (parent / "speculators").mkdir(parents=True)
+    gone = _leftovers(parent, "eagle3", {"export": "half-written", "replaced": "old export"})
+    stale = _leftovers(parent, "speculators", {"replaced": "superseded"})
+    dry = opd(base, "gc", "--dry-run")
+    assert dry.exit_code == 0 and "would be restored" in dry.output, dry.output
+    assert all(p.exists() for p in [*gone.values(), *stale.values()])
+    r = opd(base, "gc")
+    assert r.exit_code == 0 and "3 export leftover(s)" in r.output, r.output
+    assert sorted(p.name for p in parent.iterdir()) == ["eagle3", "speculators"]
+    assert (parent / "eagle3" / "config.json").read_text() == "old export"
 
 
 def test_export_out_naming_a_file_and_bad_k_are_one_line_errors(trained, tmp_path):
