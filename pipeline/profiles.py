@@ -116,6 +116,8 @@ def parse_set(item: str) -> dict[str, Any]:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise OpdError(f"--set {key}=...: the value is nested too deeply to read") from None
     out: dict[str, Any] = value
     for part in reversed(key.split(".")):
         out = {part: out}
@@ -140,6 +142,11 @@ def load_config(
             over = json.loads(Path(config_file).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise OpdError(f"cannot read config file {config_file}: {e}") from None
+        except RecursionError:  # Python's JSON decoder recurses once per level of nesting
+            raise OpdError(
+                f"cannot read config file {config_file}: its JSON is nested too deeply; a config "
+                'is an object of sections, e.g. {"sft": {"lr": 0.001}}'
+            ) from None
         if not isinstance(over, dict):
             raise OpdError(
                 f"config file {config_file} holds a JSON {type(over).__name__}; it must be an "

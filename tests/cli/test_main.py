@@ -66,6 +66,13 @@ def test_bad_names_and_values_are_one_line_errors_before_any_work(tmp_path):
     as_list.write_text('[{"sft": {"lr": 0.1}}]')
     out = _one_line_error(root, "run", "sft", "--profile", "tiny", "--config", str(as_list))
     assert "holds a JSON list; it must be an object of sections" in out
+    deep = tmp_path / "deep.json"
+    for nested in ("[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000):
+        deep.write_text(nested)
+        out = _one_line_error(root, "run", "sft", "--profile", "tiny", "--config", str(deep))
+        assert f"cannot read config file {deep}: its JSON is nested too deeply" in out
+    out = _one_line_error(root, "run", "sft", "--profile", "tiny", "--set", "sft.lr=" + "[" * 10**5)
+    assert "--set sft.lr=...: the value is nested too deeply" in out
     for args in (
         ["eval", "--temperature", "inf"],
         ["eval", "--temperature", "nan"],
