@@ -1,6 +1,8 @@
 """Test-wide settings: tests run on CPU with tiny models; one thread keeps them predictable."""
 
+import logging
 import os
+import sys
 
 import torch
 
@@ -8,3 +10,21 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 torch.set_num_threads(1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Shut Prefect's temporary API server down while pytest's streams are still open. Left to
+    its atexit handler, it logs "Stopping temporary server" into the stream pytest has closed
+    by then, and its log and event workers post to a server already gone: the run would end
+    with "--- Logging error ---" tracebacks after pytest's summary."""
+    server = sys.modules.get("prefect.server.api.server")
+    if server is None or not server.SubprocessASGIServer._instances:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=5)  # deliver what is queued while the server still answers
+    logging.getLogger("prefect").setLevel(logging.WARNING)  # the stop message is not news
+    for instance in list(server.SubprocessASGIServer._instances.values()):
+        instance.stop()
