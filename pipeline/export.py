@@ -204,6 +204,22 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_as_umask_allows(export_dir: Path) -> None:
+    """Give every file of an export the mode a plain file gets under the user's umask: the
+    safetensors writer creates weights 0600, which a serving user other than the exporter
+    cannot read."""
+    mode = 0o666 & ~_current_umask()
+    for path in export_dir.iterdir():
+        if path.is_file():
+            path.chmod(mode)
+
+
 def write_checksums(export_dir: Path, **about: str) -> None:
     """Record every file's size and sha256 in `CHECKSUMS_FILE`, written last: an export is
     complete, and verifiable, only once it is there."""
@@ -298,6 +314,7 @@ def export_drafter(
                 f"export of {drafter_ds.ref} does not reproduce the drafter (max logit diff {diff})"
             )
         write_checksums(staging, drafter=str(drafter_ds.ref), fmt=fmt)
+        share_as_umask_allows(staging)
     path = Path(out).expanduser().absolute()
     return {
         "drafter": str(drafter_ds.ref),

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -154,6 +155,10 @@ def test_an_export_carries_checksums_that_verify_finds_a_flipped_byte_with(train
     assert (
         opd(root, "export", *named(target_dir), "--drafter", ref, "--out", str(out)).exit_code == 0
     )
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in out.iterdir():  # the weights too (safetensors writes them 0600)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
     record = json.loads((out / "opd_export.json").read_text())
     assert record["drafter"] == ref
     assert record["files"]["model.safetensors"]["sha256"] == _sha(out / "model.safetensors")
