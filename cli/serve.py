@@ -40,7 +40,10 @@ from storage import OpdError, Store
     "(opd_export.json), and export nothing.",
 )
 @click.option(
-    "--overwrite", is_flag=True, help="Replace a non-empty --out (never the target's directory)."
+    "--overwrite",
+    is_flag=True,
+    help="Replace a non-empty --out (never the target's directory or the data root, nor "
+    "anything inside them).",
 )
 @click.option(
     "--k",
