@@ -4,12 +4,16 @@ the block attention's visibility rules, its training forward and loss, and check
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import models.decoding as spec
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.dflash.drafter import DFlashDrafter
+from models.dflash.export import export_dflash, load_dflash_export
 from models.dflash.model import DFlashModel, default_mask_token
 from models.dflash.train import block_loss, block_unroll, choose_anchors
 from models.drafter import ChainShape, TreeShape
@@ -25,6 +29,7 @@ from tests.models.test_decoding import (
     _resample_from_p,
     chi_square,
     exact_joint,
+    make_drafter,
     random_prompts,
 )
 
@@ -324,3 +329,38 @@ def test_mask_token_is_the_pad_token_else_the_last_id():
     assert default_mask_token({"pad_token_id": 2, "eos_token_id": 1, "vocab_size": 4096}) == 2
     assert default_mask_token({"pad_token_id": 1, "eos_token_id": 1, "vocab_size": 4096}) == 4095
     assert default_mask_token({"pad_token_id": None, "vocab_size": 96}) == 95
+
+
+# ---------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("draft_vocab", [64, 96])
+def test_export_round_trips_in_vllms_dflash_format(tiny_llama: Target, tmp_path, draft_vocab):
+    drafter = make_dflash(tiny_llama, draft_vocab, seed=6)
+    out = export_dflash(drafter, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {
+        "target_layer_ids": [0, 1, 2],  # vLLM's layer-output ids: aux ids (1, 2, 3) minus one
+        "mask_token_id": drafter.config.mask_token_id,
+        "block_size": drafter.config.block_size,
+        "use_aux_hidden_state": True,
+    }
+    assert config["rope_parameters"]["rope_theta"] == 10000.0
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "fc.weight" in names and "layers.1.self_attn.k_norm.weight" in names
+    assert not any(n.startswith(("model.", "embed_tokens")) for n in names)
+    assert ("d2t" in names) == (draft_vocab < tiny_llama.vocab_size)
+    back = load_dflash_export(out, tiny_llama.embed_weight)
+    assert back.config == drafter.config
+    prompts = random_prompts(3, tiny_llama.vocab_size, seed=7)
+    cfg = SpecConfig(ChainShape(4), max_new_tokens=10, eos_token_ids=())
+    a = speculative_generate(tiny_llama, drafter, prompts, cfg)
+    b = speculative_generate(tiny_llama, back, prompts, cfg)
+    assert a.records == b.records
+
+
+def test_only_dflash_drafters_export_as_dflash(tiny_llama: Target, tmp_path):
+    eagle = make_drafter(tiny_llama, 64)
+    with pytest.raises(ValueError, match="eagle3 drafter cannot be exported in the dflash"):
+        export_dflash(eagle, tmp_path)
