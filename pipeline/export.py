@@ -165,7 +165,8 @@ def export_drafter(
     protected = [drafter_ds.store.root] + ([target_dir] if target_dir is not None else [])
     with staged_out_dir(Path(out), overwrite=overwrite, protected=protected) as staging:
         target = loader.target
-        drafter = load_drafter_dataset(drafter_ds, target, loader.identity)
+        # both formats are EAGLE-3's: a DFlash drafter is refused by name (models/dflash/export.py)
+        drafter = load_drafter_dataset(drafter_ds, target, loader.identity, kind="eagle3")
         try:
             if fmt == "eagle3":
                 export_eagle3(

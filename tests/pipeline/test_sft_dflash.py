@@ -12,9 +12,11 @@ from models.dflash.drafter import DFlashDrafter
 from models.drafters import load_drafter, recorded_kind
 from pipeline import drafters, sft, training
 from pipeline.config import DrafterConfig, version_dict
+from pipeline.export import export_drafter
 from pipeline.profiles import load_config
 from pipeline.runner import run_stage
 from pipeline.trainer import TrainingStopped
+from storage import OpdError
 from tests.pipeline.test_sft import tiny_features  # noqa: F401 (a fixture)
 
 DFLASH = DrafterConfig(kind="dflash", block_size=4, layers=1)
@@ -77,3 +79,12 @@ def test_the_drafter_section_leaves_eagle3_versions_unchanged_and_is_strict():
     for sets, message in bad:
         with pytest.raises(Exception, match=message):
             load_config("tiny", sets=sets)
+
+
+def test_a_dflash_drafter_exported_as_eagle3_is_a_one_line_error(tiny_features, tmp_path):  # noqa: F811
+    store, ctx, feats = tiny_features
+    ds = run_stage(sft.STAGE, sft.Config(steps=2, **FAST), {"features": feats}, ctx).dataset
+    for fmt in ("eagle3", "speculators"):
+        with pytest.raises(OpdError, match="holds a dflash drafter, not a eagle3 one"):
+            export_drafter(ds, ctx.target_loader, fmt, tmp_path / fmt, 3)
+        assert not (tmp_path / fmt).exists()
