@@ -19,16 +19,18 @@ from models.dflash.train import block_loss, block_unroll, choose_anchors
 from models.drafter import ChainShape, TreeShape
 from models.drafters import load_drafter, recorded_kind, save_drafter
 from models.losses import soft_cross_entropy, teacher_draft_probs
-from models.target import Target
+from models.target import Target, load_target
 from models.vocab import DraftVocab
 from tests.models.conftest import tiny_target
 from tests.models.test_decoding import (
+    EMBEDDED,
     LAW_PROMPT,
     LAW_VOCAB,
     _accept_always,
     _resample_from_p,
     chi_square,
     exact_joint,
+    hf_greedy,
     make_drafter,
     random_prompts,
 )
@@ -103,6 +105,20 @@ def test_greedy_equals_target_generate(tiny_llama: Target, greedy_case, which: s
     assert got == reference
     if which == "fitted":  # the equality must also have been tested on accepted blocks
         assert sum(accepted) > 60 and accepted.count(4) >= 5, accepted
+
+
+@pytest.mark.skipif(
+    not (EMBEDDED / "model.safetensors").is_file(), reason="embedded target not trained yet"
+)
+def test_greedy_equals_target_on_the_embedded_target():
+    """The embedded target (bf16, a pad token: the mask token is `<|pad|>`, id 2)."""
+    target = load_target(EMBEDDED, aux_layer_ids=(1, 3, 5))
+    prompts = random_prompts(8, target.vocab_size, seed=7, lengths=(14, 19))
+    reference = hf_greedy(target, prompts, 16)
+    drafter = make_dflash(target, min(1024, target.vocab_size))
+    assert drafter.config.mask_token_id == 2
+    cfg = SpecConfig(ChainShape(6), max_new_tokens=16, eos_token_ids=())
+    assert speculative_generate(target, drafter, prompts, cfg).sequences == reference
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
