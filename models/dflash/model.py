@@ -194,11 +194,9 @@ class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         H, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            d,
-        )
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
         self.q_proj = nn.Linear(H, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
