@@ -25,8 +25,11 @@ what verifying 1 does; on this CPU it is far slower than a chain. Per setting:
   rest (the decoder's own tensor work and host syncs);
 - at T=0, whether the decoder's tokens equal plain greedy decoding's (`lossless`).
 
+`--dflash REF` adds a DFlash drafter (`dflash`: K drafts from one drafter forward per step)
+to every setting, so it is measured beside the EAGLE-3 chain in the same run.
+
 Decoders alternate within a setting, after one untimed warm-up of each. The headline keys
-(batch 1) come first: speedup_{chain,tree,tree_wide,tree_stop}_t{0,1}, tau_..._t{0,1} and the drafter's
+(batch 1) come first: speedup_{chain,tree,tree_wide,tree_stop,dflash}_t{0,1}, tau_..._t{0,1} and the drafter's
 profile share; the full table is under `settings`. Prints one JSON object.
 
     .venv/bin/python -m benchmarks.bench_decode --root /work/opd-default [--drafter opd@latest]
@@ -86,7 +89,7 @@ def decode_all(
             res = target_generate(target, chunk, max_new, temperature, seed=i)
             seqs += res.sequences
             continue
-        if kind == "chain":
+        if kind in ("chain", "dflash"):  # a DFlash block is a chain to the loop
             shape = ChainShape(k)
         else:
             shape = TreeShape(k, tree.top_k, tree.budget, tree.min_confidence)
@@ -112,19 +115,22 @@ def decode_all(
     return out
 
 
-def run_setting(target, drafter, prompts, temperature, batch, k, trees, max_new, repeats):
-    """All decoders on one (temperature, batch): best of `repeats`, speed-ups over plain."""
-    kinds = ("plain", "chain", *trees)
+def run_setting(
+    target, drafter, prompts, temperature, batch, k, trees, max_new, repeats, dflash=None
+):
+    """All decoders on one (temperature, batch): best of `repeats`, speed-ups over plain.
+    `dflash`: a DFlash drafter decoded as one more chain, kind `dflash`."""
+    kinds = ("plain", "chain", *trees, *(("dflash",) if dflash is not None else ()))
+    uses = {"dflash": dflash}
     for kind in kinds:  # warm-up: first-call allocations and kernels out of the timings
-        tree = trees.get(kind)
-        decode_all(kind, target, drafter, prompts[:batch], batch, temperature, k, tree, 4)
+        tree, d = trees.get(kind), uses.get(kind, drafter)
+        decode_all(kind, target, d, prompts[:batch], batch, temperature, k, tree, 4)
     runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for _ in range(repeats):
         for kind in kinds:
+            tree, d = trees.get(kind), uses.get(kind, drafter)
             runs[kind].append(
-                decode_all(
-                    kind, target, drafter, prompts, batch, temperature, k, trees.get(kind), max_new
-                )
+                decode_all(kind, target, d, prompts, batch, temperature, k, tree, max_new)
             )
     out: dict[str, Any] = {"temperature": temperature, "batch": batch}
     best = {kind: min(r, key=lambda x: x["wall_s"]) for kind, r in runs.items()}
@@ -157,6 +163,9 @@ def main() -> None:
     parser.add_argument("--root", default=None, help="data root [default: OPD_HOME]")
     parser.add_argument("--profile", default="default")
     parser.add_argument("--drafter", default="opd@latest")
+    parser.add_argument(
+        "--dflash", default=None, help="a DFlash drafter dataset decoded beside the chain"
+    )
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     parser.add_argument("--batch", type=int, default=8, help="the batched setting's batch size")
     parser.add_argument("--max-new", type=int, default=None, help="[profile: evaluate]")
@@ -183,8 +192,13 @@ def main() -> None:
         ),
     }
     max_new = args.max_new or cfg.evaluate.max_new_tokens
+    dflash = None
+    if args.dflash is not None:
+        store, loader = Store(root), TargetLoader(cfg.target)
+        dflash_ds = store.open(args.dflash)
+        dflash = load_drafter_dataset(dflash_ds, target, loader.identity, kind="dflash").eval()
     settings = [
-        run_setting(target, drafter, prompts, t, b, k, trees, max_new, args.repeats)
+        run_setting(target, drafter, prompts, t, b, k, trees, max_new, args.repeats, dflash)
         for t in (0.0, 1.0)
         for b in (1, args.batch)
     ]
@@ -192,7 +206,7 @@ def main() -> None:
     for s in settings:
         if s["batch"] == 1:
             t = int(s["temperature"])
-            for kind in ("chain", *trees):
+            for kind in ("chain", *trees, *(("dflash",) if dflash is not None else ())):
                 headline[f"speedup_{kind}_t{t}"] = s[kind]["speedup_vs_plain"]
                 headline[f"tau_{kind}_t{t}"] = s[kind]["tau"]
                 headline[f"drafter_share_{kind}_t{t}"] = s[kind]["drafter_share"]

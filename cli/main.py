@@ -22,7 +22,7 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except OpdError as e:
+        except (OpdError, NotImplementedError) as e:  # the latter: a kind lacks a stage's method
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
 

@@ -147,6 +147,12 @@ class Drafter(nn.Module, ABC):
         the kind's own options (the pipeline's `drafter` section)."""
 
     @classmethod
+    def max_draft_depth(cls, settings: Mapping[str, Any]) -> int | None:
+        """The most draft offsets a drafter of these settings can propose per step (None: no
+        bound of its own; a chain drafter is bounded only by what it was trained for)."""
+        return None
+
+    @classmethod
     @abstractmethod
     def from_tensors(
         cls,
@@ -273,6 +279,11 @@ class Drafter(nn.Module, ABC):
     ) -> Path:
         """Write this drafter as `fmt` (one of `export_formats`) into `out_dir`, refusing
         (`models.export.ExportError`) what vLLM would load but serve wrongly."""
+
+    def served_tokens(self, k: int) -> int:
+        """`num_speculative_tokens` vLLM must serve this drafter with, given the K asked for
+        (a chain serves any K; a block drafter, its block)."""
+        return k
 
     @classmethod
     @abstractmethod

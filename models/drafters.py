@@ -15,10 +15,11 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from models.dflash.drafter import DFlashDrafter
 from models.drafter import Drafter
 from models.eagle3.drafter import Eagle3Drafter
 
-KINDS: dict[str, type[Drafter]] = {"eagle3": Eagle3Drafter}
+KINDS: dict[str, type[Drafter]] = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}
 DEFAULT_KIND = "eagle3"
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "model.safetensors"

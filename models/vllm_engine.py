@@ -51,6 +51,8 @@ class EngineSpec:
     k: int = 0
     """Drafted tokens per step (num_speculative_tokens); used only with a drafter."""
     seed: int = 0
+    method: str = "eagle3"
+    """vLLM's speculative method for the drafter: eagle3, or dflash (models/dflash/export.py)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ def engine(spec: EngineSpec) -> Any:
     }
     if spec.drafter is not None:
         kwargs["speculative_config"] = {
-            "method": "eagle3",
+            "method": spec.method,
             "model": spec.drafter,
             "num_speculative_tokens": spec.k,
         }

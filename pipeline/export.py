@@ -321,7 +321,9 @@ def export_drafter(
         "format": fmt,
         "path": str(path),
         "max_logit_diff": diff,
-        "vllm_command": vllm_command(_serve_dir(loader), path, k, drafter.serve_method),
+        "vllm_command": vllm_command(
+            _serve_dir(loader), path, drafter.served_tokens(k), drafter.serve_method
+        ),
         "tree_note": TREE_NOTE,
         "warnings": warnings,
     }

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
-from pipeline.core.config import DraftTree, StrictConfig, optional_field
+from pipeline.core.config import DrafterConfig, DraftTree, StrictConfig, optional_field
 from pipeline.core.targets import TargetConfig
 from pipeline.stages import STAGES
 from storage import OpdError
@@ -55,6 +55,8 @@ class DraftingConfig(StrictConfig):
 class _PipelineBase(StrictConfig):
     target: TargetConfig = TargetConfig()
     drafting: DraftingConfig = DraftingConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    """The drafter kind the warm-up trains (later stages read the kind its dataset records)."""
     rounds: int = Field(2, ge=0)
     """Draft-OPD rounds (rollout -> score -> opd) after the SFT warm-up in the `full` chain."""
 
@@ -77,9 +79,11 @@ class _PipelineBase(StrictConfig):
     @model_validator(mode="after")
     def _tie_drafting(self) -> _PipelineBase:
         for stage in STAGES:
-            if stage.drafting:
+            update = {name: getattr(self.drafting, src) for name, src in stage.drafting.items()}
+            if "drafter" in stage.config.model_fields:
+                update["drafter"] = self.drafter.model_dump()
+            if update:
                 section = getattr(self, stage.name)
-                update = {name: getattr(self.drafting, src) for name, src in stage.drafting.items()}
                 # validate_assignment would re-run per field; one validated copy is atomic.
                 tied = stage.config.model_validate(section.model_dump() | update)
                 object.__setattr__(self, stage.name, tied)

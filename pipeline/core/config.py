@@ -8,7 +8,7 @@ fields that cannot change the output (progress bars, log levels) are declared wi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -79,6 +79,41 @@ class DraftTree(StrictConfig):
                 f"x top-k {self.top_k} drafts; lower drafting.tree.budget or raise top_k"
             )
         return self
+
+
+class DrafterConfig(StrictConfig):
+    """Which drafter kind a run trains, and that kind's own settings (each None = the kind's
+    default, documented where the kind defines it: models/dflash/model.py)."""
+
+    kind: Literal["eagle3", "dflash"] = "eagle3"
+    """eagle3: one layer drafting a chain, a forward per draft; dflash: a block drafted in one
+    forward (models/dflash)."""
+    block_size: int | None = optional_field("dflash: anchor + drafted slots per block (>= 2)")
+    layers: int | None = optional_field("dflash: decoder layers")
+    anchors: int | None = optional_field("dflash: training anchors per sequence (at most)")
+    mask_token_id: int | None = optional_field(
+        "dflash: the mask slots' token id (default: the target's pad token, else its last id)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DrafterConfig:
+        given = sorted(k for k, v in self.settings().items() if v is not None)
+        if self.kind == "eagle3" and given:
+            raise ValueError(
+                f"drafter.{given[0]} is a DFlash setting; EAGLE-3 drafters size themselves from "
+                "the target (drop it or set drafter.kind=dflash)"
+            )
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}")
+        for name in ("layers", "anchors"):
+            if (getattr(self, name) or 1) < 1:
+                raise ValueError(f"drafter.{name} must be >= 1, got {getattr(self, name)}")
+        return self
+
+    def settings(self) -> dict[str, Any]:
+        """The kind's settings that were set (what `Drafter.new` takes)."""
+        names = ("block_size", "layers", "anchors", "mask_token_id")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 def _jsonable(value: Any) -> Any:

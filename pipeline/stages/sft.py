@@ -43,7 +43,7 @@ from models.losses import teacher_draft_probs
 from models.vocab import DraftVocab
 from pipeline.core import training
 from pipeline.core.checks import check_drafter_vocab, check_same_target, check_same_vocab, vocab_of
-from pipeline.core.config import optional_field
+from pipeline.core.config import DrafterConfig, optional_field
 from pipeline.core.drafters import load_drafter_dataset, write_drafter_dataset, written_summary
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
@@ -100,11 +100,21 @@ class Config(TrainConfig):
         "rather than 'eagle3' by default so existing sft versions stay unchanged"
     )
 
+    drafter: DrafterConfig | None = optional_field(
+        "The drafter kind and its settings (set through the pipeline's `drafter` section); "
+        "unset is EAGLE-3, so EAGLE-3 sft versions stay unchanged"
+    )
+
     @field_validator("objective")
     @classmethod
     def _eagle3_is_unset(cls, value: str | None) -> str | None:
         # Naming the default explicitly must give the default's version.
         return None if value == "eagle3" else value
+
+    @field_validator("drafter")
+    @classmethod
+    def _default_drafter_is_unset(cls, value: DrafterConfig | None) -> DrafterConfig | None:
+        return None if value == DrafterConfig() else value
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -112,6 +122,8 @@ class Config(TrainConfig):
             raise ValueError(f"tau_k ({self.tau_k}) cannot exceed ttt_steps ({self.ttt_steps})")
         if self.steps is None and self.epochs is None:
             raise ValueError("set either steps or epochs")
+        if self.drafter is not None and self.drafter.kind != "eagle3":
+            self._check_kind(self.drafter)
         if self.objective == "eagle1" and self.step_decay != DEFAULT_STEP_DECAY:
             raise ValueError(
                 f"sft.step_decay ({self.step_decay}) weights training-time-test steps, which "
@@ -119,17 +131,35 @@ class Config(TrainConfig):
             )
         return self
 
+    def _check_kind(self, drafter: DrafterConfig) -> None:
+        depth = drafter_class(drafter.kind).max_draft_depth(drafter.settings())
+        if depth is not None and self.ttt_steps > depth:
+            raise ValueError(
+                f"drafting.ttt_steps ({self.ttt_steps}) trained offsets do not fit a "
+                f"{drafter.kind} drafter drafting {depth} per step; raise drafter.block_size or "
+                "lower drafting.ttt_steps"
+            )
+        if self.objective is not None:
+            raise ValueError(
+                f"sft.objective={self.objective} is an EAGLE objective; unset it for a "
+                f"{drafter.kind} drafter"
+            )
+
     @property
     def unroll_depth(self) -> int:
         """Unrolled steps per training row (see `unrolled_steps`)."""
         return unrolled_steps(self.objective, self.ttt_steps)
 
 
-def new_drafter(target: Any, vocab: DraftVocab, seed: int, kind: str = "eagle3") -> Drafter:
-    """A freshly initialised drafter of `kind` for `target` (deterministic in `seed`)."""
-    cls = drafter_class(kind)
+def new_drafter(
+    target: Any, vocab: DraftVocab, seed: int, drafter: DrafterConfig | None = None
+) -> Drafter:
+    """A freshly initialised drafter of the configured kind (EAGLE-3 when None) for `target`
+    (deterministic in `seed`)."""
+    drafter = drafter or DrafterConfig()
+    cls = drafter_class(drafter.kind)
     torch.manual_seed(seed)
-    return cls.new(target, vocab, {}).to(target.device)
+    return cls.new(target, vocab, drafter.settings()).to(target.device)
 
 
 def train_step(
@@ -157,8 +187,9 @@ def _starting_drafter(
 ) -> Drafter:
     """A fresh drafter, or (continued SFT) the given one, which must use the features' map."""
     if "drafter" not in inputs:
-        return new_drafter(target, vocab, cfg.seed)
-    drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity)
+        return new_drafter(target, vocab, cfg.seed, cfg.drafter)
+    kind = cfg.drafter.kind if cfg.drafter else None
+    drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity, kind=kind)
     check_drafter_vocab(inputs["features"], drafter, str(inputs["drafter"].ref))
     return drafter.to(target.device)
 

@@ -1,0 +1,256 @@
+"""DFlash as a drafter kind: the block drafter of models/dflash/model.py behind the `Drafter`
+interface (its proposals in propose.py, its training forward in train.py).
+
+Head: a trained draft-vocabulary head over the features stage's frozen DraftVocab, as EAGLE-3's.
+The interface and every stage already carry that map (training teachers, acceptance, the
+decoding loop's `vocab_map`), and on this CPU a [Vd, H] head is a fraction of the target's
+[V, H] one per drafted slot; vLLM serves a shipped `lm_head` with `d2t` for dflash too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.acceptance import AcceptanceStats
+from models.dflash.model import (
+    DEFAULT_ANCHORS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LAYERS,
+    DFlashConfig,
+    DFlashModel,
+)
+from models.dflash.propose import DFlashProposer
+from models.dflash.train import (
+    OPD_ISSUE,
+    BlockUnroll,
+    BlockUnrolls,
+    block_acceptance,
+    block_unroll,
+    sft_block_loss,
+)
+from models.drafter import Drafter, Proposer, Replayed, Shape
+from models.vocab import DraftVocab
+
+SETTINGS = {
+    "block_size": DEFAULT_BLOCK_SIZE,
+    "layers": DEFAULT_LAYERS,
+    "anchors": DEFAULT_ANCHORS,
+    "mask_token_id": None,  # None: `models.dflash.model.default_mask_token`
+}
+
+
+class DFlashDrafter(DFlashModel, Drafter):
+    kind = "dflash"
+    export_formats = ("dflash",)
+    serve_method = "dflash"
+
+    @classmethod
+    def max_draft_depth(cls, settings: Mapping[str, Any]) -> int | None:
+        return (settings.get("block_size") or DEFAULT_BLOCK_SIZE) - 1
+
+    # -- building -------------------------------------------------------------------------
+
+    @classmethod
+    def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> DFlashDrafter:
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(
+                f"unknown DFlash drafter settings {unknown}; DFlash takes {sorted(SETTINGS)}"
+            )
+        given = SETTINGS | dict(settings)
+        config = DFlashConfig.from_target(
+            target.config,
+            vocab.draft_vocab_size,
+            target.aux_layer_ids,
+            num_layers=given["layers"],
+            block_size=given["block_size"],
+            mask_token_id=given["mask_token_id"],
+            anchors=given["anchors"],
+        )
+        return cls(config, target.embed_weight, vocab)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config: Mapping[str, Any],
+        embed_weight: Tensor,
+        tensors: Mapping[str, Tensor],
+        source: str,
+    ) -> DFlashDrafter:
+        cfg = DFlashConfig.from_dict(config)
+        for name in ("d2t", "t2d"):
+            if name not in tensors:
+                raise ValueError(
+                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
+                )
+        drafter = cls(cfg, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
+        expected = drafter.tensors()
+        missing, unexpected = (
+            sorted(set(expected) - set(tensors)),
+            sorted(set(tensors) - set(expected)),
+        )
+        if missing or unexpected:
+            raise ValueError(
+                f"{source}: missing tensors {missing}, unexpected tensors {unexpected}"
+            )
+        for name, t in tensors.items():
+            if t.shape != expected[name].shape:
+                raise ValueError(
+                    f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                    f"{tuple(expected[name].shape)}"
+                )
+        drafter.to(tensors["fc.weight"].dtype)
+        # `.to()` may have cast the shared embedding; re-attach the target's own tensor.
+        drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
+        drafter.load_state_dict(tensors, strict=False)
+        return drafter
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {
+            name: t.detach().contiguous()
+            for name, t in self.state_dict().items()
+            if not name.startswith("embed_tokens.")
+        }
+
+    def untrained(self) -> DFlashDrafter:
+        return type(self)(self.config, self.embed_tokens.weight, self.vocab)
+
+    def frozen_embedding(self) -> Tensor:
+        return self.embed_tokens.weight
+
+    def check_target(self, target: Any) -> None:
+        cfg = self.config
+        pairs = [
+            ("vocab size", cfg.vocab_size, target.vocab_size),
+            ("vocab map (t2d) size", self.t2d.numel(), target.vocab_size),
+            ("hidden size", cfg.hidden_size, target.hidden_size),
+            ("target layer count", cfg.target_num_layers, target.num_layers),
+            ("target layer ids", tuple(cfg.target_layer_ids), tuple(target.aux_layer_ids)),
+        ]
+        for name, theirs, ours in pairs:
+            if theirs != ours:
+                raise ValueError(
+                    f"drafter does not match the target: drafter {name} is {theirs}, target's "
+                    f"is {ours}; use the drafter trained for this target"
+                )
+        embed, ours = self.embed_tokens.weight, target.embed_weight
+        if embed.data_ptr() != ours.data_ptr() and not torch.equal(
+            embed.to(ours.device, ours.dtype), ours
+        ):
+            raise ValueError(
+                "the drafter's embed_tokens is not the target's embedding; build or load the "
+                "drafter with target.embed_weight"
+            )
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def proposer(
+        self, shape: Shape, temperature: float, generator: torch.Generator, timer: Any
+    ) -> Proposer:
+        return DFlashProposer(self, shape, temperature, generator, timer)
+
+    def replay(
+        self,
+        aux_hidden: Tensor,
+        input_ids: Tensor,
+        anchors: Tensor,
+        k: int,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Replayed:
+        raise NotImplementedError(OPD_ISSUE)
+
+    # -- training -------------------------------------------------------------------------
+
+    def unroll(
+        self,
+        aux_hidden: Tensor,
+        input_ids: Tensor,
+        loss_mask: Tensor | None,
+        steps: int,
+        replays: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> BlockUnroll:
+        if replays is not None:
+            raise NotImplementedError(OPD_ISSUE)
+        return block_unroll(self, aux_hidden, input_ids, loss_mask, steps)
+
+    def training_module(self) -> nn.Module:
+        return BlockUnrolls(self)
+
+    def sft_loss(
+        self,
+        out: BlockUnroll,
+        teacher: Tensor,
+        last_hidden: Tensor,
+        *,
+        decay: float,
+        objective: str | None = None,
+    ) -> Tensor:
+        if objective is not None:
+            raise ValueError(
+                f"sft.objective={objective} is an EAGLE objective; a DFlash drafter trains its "
+                "blocks (leave sft.objective unset)"
+            )
+        return sft_block_loss(out, teacher, decay)
+
+    def acceptance(
+        self, out: BlockUnroll, target_logits: Tensor, *, chain_k: int, expected: bool = True
+    ) -> AcceptanceStats:
+        return block_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
+
+    def replay_logits(self, out: BlockUnroll, item: Tensor, anchor: Tensor) -> Tensor:
+        raise NotImplementedError(OPD_ISSUE)
+
+    def rollout_ce_loss(
+        self, out: BlockUnroll, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
+    ) -> Tensor:
+        raise NotImplementedError(OPD_ISSUE)
+
+    # -- serving --------------------------------------------------------------------------
+
+    def write_export(
+        self,
+        fmt: str,
+        out_dir: Path,
+        *,
+        target_config: Any,
+        target_identity: Mapping[str, Any] | None,
+        target_embed_weight: Tensor,
+        speculative_tokens: int,
+        verifier: str | None,
+    ) -> Path:
+        # export.py builds DFlashDrafters when it reads one back: imported here, not at the top.
+        from models.dflash.export import export_dflash
+
+        return export_dflash(self, out_dir, target_identity=target_identity)
+
+    def served_tokens(self, k: int) -> int:
+        # vLLM's dflash proposer drafts num_speculative_tokens slots and never reads block_size.
+        return self.config.block_size - 1
+
+    @classmethod
+    def read_export(cls, export_dir: Path, embed_weight: Tensor | None) -> DFlashDrafter:
+        from models.dflash.export import load_dflash_export
+
+        if embed_weight is None:
+            raise ValueError(f"{export_dir}: a DFlash export has no embedding; pass the target's")
+        return load_dflash_export(export_dir, embed_weight)
+
+    @torch.no_grad()
+    def probe_logits(self, seed: int) -> Tensor:
+        g = torch.Generator().manual_seed(seed)
+        cfg = self.config
+        device = self.fc.weight.device
+        width = len(cfg.target_layer_ids) * cfg.target_hidden_size
+        aux = torch.randn(1, 9, width, generator=g).to(device)  # [N, S, n*H_t]
+        context = self.context_kv(aux, torch.arange(9, device=device)[None])
+        anchors = torch.tensor([[3, 6]], device=device)  # [N, A]
+        tokens = torch.randint(0, cfg.vocab_size, (1, 2), generator=g).to(device)
+        visible = torch.arange(9, device=device)[None, None] < anchors[..., None]  # [N, A, S]
+        return self(self.block_tokens(tokens), anchors, context, visible)  # [N, A, B, Vd]

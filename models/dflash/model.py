@@ -1,0 +1,346 @@
+"""The DFlash block drafter: config, Qwen3-style decoder layers whose attention reads the
+projected target context, and the block forward every caller (proposer, training) shares.
+
+A block at anchor position a is [x_a, m, m, ..., m] (block_size B, m the mask token) at rope
+positions a .. a+B-1; slot k (1 <= k < B) predicts x_{a+k}. The context is the target's features
+at positions < a (the anchor's own features do not exist yet when decoding: x_a is the token the
+target just emitted), fused once by `fc` + `hidden_norm`; every layer projects that same fused
+tensor to its own keys and values (k-norm and rope at the context positions), exactly as vLLM's
+`qwen3_dflash` fills its draft KV cache. Queries come only from the block: a block sees its
+visible context and all of its own slots (bidirectional), never another block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.layers import (
+    SUPPORTED_ROPE_TYPES,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    rope_parameters_of,
+)
+from models.target import check_aux_layer_ids
+from models.vocab import DraftVocab
+
+DEFAULT_BLOCK_SIZE = 8
+"""ModelOpt's block; 7 drafted slots cover EAGLE-3's default of 7 trained offsets
+(drafting.ttt_steps), so one SFT trains the same offsets for either kind."""
+DEFAULT_LAYERS = 2
+"""The embedded target has 6 layers: 2 draft layers over a 8-token block keep the one drafter
+forward per step a small share of a verify forward on a CPU, while a single layer has only one
+attention hop from the context to the block."""
+DEFAULT_ANCHORS = 256
+"""Anchors per training sequence: the default profile's sequences (prompt + 96 new tokens) are
+shorter, so every trainable position becomes an anchor; longer ones are subsampled."""
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Shape of a DFlash drafter. Sizes, attention layout, norm eps and rope are the target's;
+    `num_layers`, `block_size`, `mask_token_id` and `anchors` are the kind's own settings."""
+
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_layer_ids: tuple[int, ...]  # HF hidden_states[k] convention, as the features stage
+    target_num_layers: int
+    num_layers: int
+    block_size: int
+    mask_token_id: int
+    anchors: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        object.__setattr__(self, "rope_parameters", dict(self.rope_parameters))
+        for name in ("hidden_size", "num_layers", "anchors", "draft_vocab_size", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"DFlashConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(
+                f"DFlash block_size must be >= 2 (the anchor plus at least one drafted slot), "
+                f"got {self.block_size}"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"DFlash mask_token_id {self.mask_token_id} is outside the target vocab "
+                f"[0, {self.vocab_size})"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size ({self.draft_vocab_size}) exceeds the target vocab "
+                f"({self.vocab_size})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        check_aux_layer_ids(self.target_layer_ids, self.target_num_layers)
+        if self.rope_parameters.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {self.rope_parameters.get('rope_type')!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+
+    @classmethod
+    def from_target(
+        cls,
+        target_hf_config: Any,
+        draft_vocab_size: int,
+        target_layer_ids: Sequence[int],
+        *,
+        num_layers: int = DEFAULT_LAYERS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        mask_token_id: int | None = None,
+        anchors: int = DEFAULT_ANCHORS,
+    ) -> DFlashConfig:
+        cfg = (
+            target_hf_config.to_dict()
+            if hasattr(target_hf_config, "to_dict")
+            else dict(target_hf_config)
+        )
+        heads = cfg["num_attention_heads"]
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            target_hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_parameters=rope_parameters_of(cfg),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            target_layer_ids=tuple(target_layer_ids),
+            target_num_layers=cfg["num_hidden_layers"],
+            num_layers=num_layers,
+            block_size=block_size,
+            mask_token_id=default_mask_token(cfg) if mask_token_id is None else mask_token_id,
+            anchors=anchors,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["target_layer_ids"] = list(self.target_layer_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DFlashConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown DFlashConfig keys {unknown}; is this a DFlash drafter?")
+        missing = sorted({f.name for f in fields(cls) if f.default is MISSING} - set(data))
+        if missing:
+            raise ValueError(f"DFlashConfig is missing keys {missing}")
+        return cls(**data)
+
+
+def default_mask_token(target_config: Mapping[str, Any]) -> int:
+    """The target's pad token when it has one that is not also EOS/BOS (the embedded target's
+    `<|pad|>`, id 2): generated and feature sequences never hold it as a trained token, and
+    its embedding row is frozen like every other. Else the last id (a byte-level BPE's rarest
+    merge). Either is safe for losslessness: the mask token only ever enters the drafter as an
+    input, so a target that emits it costs acceptance at worst, never correctness."""
+    pad = target_config.get("pad_token_id")
+    specials = {target_config.get("eos_token_id"), target_config.get("bos_token_id")}
+    if isinstance(pad, int) and pad not in specials:
+        return pad
+    return int(target_config["vocab_size"]) - 1
+
+
+def block_attention(
+    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, visible: Tensor
+) -> Tensor:
+    """Attention of blocks over their visible context and their own slots.
+
+    q [N, h, A, B, d] (A blocks of B slots per row), k_ctx/v_ctx [N, kv, S, d], k_blk/v_blk
+    [N, kv, A, B, d], visible [N, A, S] bool (context slots each block may read) -> [N, h, A, B, d].
+    Block-to-block scores are computed per block ([.., B, B]), never as a dense [AB, AB] mask.
+    """
+    groups = q.shape[1] // k_ctx.shape[1]
+    k_ctx, v_ctx = k_ctx.repeat_interleave(groups, 1), v_ctx.repeat_interleave(groups, 1)
+    k_blk, v_blk = k_blk.repeat_interleave(groups, 1), v_blk.repeat_interleave(groups, 1)
+    scale = q.shape[-1] ** -0.5
+    ctx = torch.einsum("nhabd,nhsd->nhabs", q, k_ctx) * scale  # [N, h, A, B, S]
+    ctx = ctx.masked_fill(~visible[:, None, :, None, :], float("-inf"))
+    own = torch.einsum("nhabd,nhacd->nhabc", q, k_blk) * scale  # [N, h, A, B, B]
+    probs = torch.cat([ctx, own], dim=-1).float().softmax(-1).to(q.dtype)
+    S = k_ctx.shape[2]
+    out = torch.einsum("nhabs,nhsd->nhabd", probs[..., :S], v_ctx)
+    return out + torch.einsum("nhabc,nhacd->nhabd", probs[..., S:], v_blk)
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention (GQA, per-head q/k RMSNorm, rope) whose keys are the context's and the block's."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        H, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.q_proj = nn.Linear(H, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, T, H] -> k, v [N, kv, T, d] (k normed and rotated)."""
+        N, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(N, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(N, T, self.num_kv_heads, self.head_dim)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def context_kv(self, context: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The fused context [N, S, H] (rope cos/sin [N, S, d]) -> this layer's k, v [N, kv, S, d]."""
+        return self._kv(context, cos, sin)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, k_ctx: Tensor, v_ctx: Tensor, visible: Tensor
+    ) -> Tensor:
+        """x [N, A, B, H] block slots (cos/sin [N, A*B, d]) -> [N, A, B, H]."""
+        N, A, B, H = x.shape
+        flat = x.reshape(N, A * B, H)
+        q = self.q_norm(self.q_proj(flat).view(N, A * B, self.num_heads, self.head_dim))
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [N, h, AB, d]
+        k, v = self._kv(flat, cos, sin)  # [N, kv, AB, d]
+        out = block_attention(
+            q.view(N, self.num_heads, A, B, self.head_dim),
+            k_ctx,
+            v_ctx,
+            k.view(N, self.num_kv_heads, A, B, self.head_dim),
+            v.view(N, self.num_kv_heads, A, B, self.head_dim),
+            visible,
+        )  # [N, h, A, B, d]
+        out = out.permute(0, 2, 3, 1, 4).reshape(N, A, B, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        H, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, inter, bias=False)
+        self.up_proj = nn.Linear(H, inter, bias=False)
+        self.down_proj = nn.Linear(inter, H, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """A pre-norm Qwen3 decoder layer over the block (vLLM's DFlashQwen3DecoderLayer)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, k_ctx: Tensor, v_ctx: Tensor, visible: Tensor
+    ) -> Tensor:
+        """x [N, A, B, H] -> [N, A, B, H]."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, visible)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashModel(nn.Module):
+    """fc + hidden_norm over the target's features, `num_layers` decoder layers, final norm and
+    a draft-vocab head. Parameter names follow vLLM's dflash checkpoints (`fc`, `hidden_norm`,
+    `layers.N.*`, `norm`, `lm_head`, `d2t`/`t2d`); `embed_tokens` is the target's, never saved."""
+
+    def __init__(self, config: DFlashConfig, embed_weight: Tensor, vocab: DraftVocab) -> None:
+        super().__init__()
+        if tuple(embed_weight.shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(
+                f"target embedding has shape {tuple(embed_weight.shape)} but the drafter expects "
+                f"[vocab {config.vocab_size}, hidden {config.hidden_size}]: pass the embedding "
+                "of the target this drafter was built for"
+            )
+        if (vocab.vocab_size, vocab.draft_vocab_size) != (
+            config.vocab_size,
+            config.draft_vocab_size,
+        ):
+            raise ValueError(
+                f"draft vocab maps {vocab.draft_vocab_size} of {vocab.vocab_size} ids but the "
+                f"config says {config.draft_vocab_size} of {config.vocab_size}"
+            )
+        self.config = config
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        n_features = len(config.target_layer_ids) * config.target_hidden_size
+        self.fc = nn.Linear(n_features, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.rope_parameters, config.head_dim)
+        self.register_buffer("d2t", vocab.d2t.clone())
+        self.register_buffer("t2d", vocab.t2d.clone())
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.d2t, self.t2d)
+
+    def context_kv(self, aux_hidden: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Target features [N, S, n*H_t] at `positions` [N, S] -> per layer (k, v) [N, kv, S, d]."""
+        want = len(self.config.target_layer_ids) * self.config.target_hidden_size
+        if aux_hidden.shape[-1] != want:
+            raise ValueError(
+                f"aux_hidden last dim is {aux_hidden.shape[-1]}, expected {want} (the target's "
+                f"states at layers {list(self.config.target_layer_ids)}, concatenated)"
+            )
+        context = self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))  # [N, S, H]
+        cos, sin = self.rotary(positions, context.dtype)  # [N, S, d]
+        return [layer.self_attn.context_kv(context, cos, sin) for layer in self.layers]
+
+    def block_tokens(self, anchor_tokens: Tensor) -> Tensor:
+        """anchor_tokens [N, A] -> the blocks [N, A, B]: the anchor then B-1 mask tokens."""
+        blocks = torch.full(
+            (*anchor_tokens.shape, self.config.block_size),
+            self.config.mask_token_id,
+            dtype=torch.long,
+            device=anchor_tokens.device,
+        )
+        blocks[..., 0] = anchor_tokens
+        return blocks
+
+    def forward(
+        self,
+        blocks: Tensor,
+        anchor_positions: Tensor,
+        context: Sequence[tuple[Tensor, Tensor]],
+        visible: Tensor,
+    ) -> Tensor:
+        """Draft logits [N, A, B, Vd] fp32 of blocks [N, A, B] anchored at `anchor_positions`
+        [N, A], over the per-layer context keys/values (`context_kv`) [N, kv, S, d] of which
+        block a reads the slots `visible` [N, A, S]. Slot 0's logits (the anchor's) are unused."""
+        N, A, B = blocks.shape
+        positions = anchor_positions[..., None] + torch.arange(B, device=blocks.device)
+        x = self.embed_tokens(blocks).to(self.fc.weight.dtype)  # [N, A, B, H]
+        cos, sin = self.rotary(positions.reshape(N, A * B), x.dtype)  # [N, AB, d]
+        for layer, (k_ctx, v_ctx) in zip(self.layers, context, strict=True):
+            x = layer(x, cos, sin, k_ctx, v_ctx, visible)  # [N, A, B, H]
+        return self.lm_head(self.norm(x)).float()  # [N, A, B, Vd]

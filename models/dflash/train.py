@@ -1,0 +1,149 @@
+"""DFlash's training forward: many anchors per cached sequence in one block-structured forward,
+its position-decayed loss and its teacher-forced acceptance.
+
+Anchor a (a sequence position, a >= 1) puts the block [x_a, m, ..., m] at positions a..a+B-1;
+its queries read the context features at positions < a and the block's own slots, never another
+block (`models.dflash.model.block_attention`). Slot k (1 <= k <= K) drafts x_{a+k}; its teacher
+is the target's distribution at position a+k-1. The block's drafts do not depend on the tokens
+drafted before them, so the teacher-forced acceptance of a block is exactly what greedy decoding
+from the same context would accept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from models.acceptance import AcceptanceStats
+from models.dflash.model import DFlashModel
+from models.losses import acceptance_rate, soft_cross_entropy, teacher_draft_probs
+from models.vocab import DraftVocab
+
+OPD_ISSUE = "Draft-OPD over DFlash is issue #28"
+
+
+@dataclass
+class BlockUnroll:
+    """One training forward's blocks: per batch row A anchors, K drafted slots each."""
+
+    logits: Tensor  # [N, A, K, Vd] fp32: slot k+1 of each block
+    anchors: Tensor  # [N, A] anchor positions
+    valid: Tensor  # [N, A, K] bool: the slot's label exists and is trained on
+
+
+def choose_anchors(loss_mask: Tensor, cap: int, *, sample: bool) -> tuple[Tensor, Tensor]:
+    """Up to `cap` anchors per row among positions a >= 1 whose first drafted token x_{a+1} is
+    trained (loss_mask [N, T]); sampled without repeats from torch's RNG when `sample` (the
+    trainer checkpoints that RNG, so resuming redraws the same anchors), else the earliest.
+    Returns anchors [N, A] sorted and which of them are real [N, A] (rows with fewer pad)."""
+    N, T = loss_mask.shape
+    eligible = torch.zeros_like(loss_mask)
+    eligible[:, 1 : T - 1] = loss_mask[:, 2:]
+    A = max(1, min(cap, int(eligible.sum(1).max())))
+    score = torch.rand(N, T, device=loss_mask.device) if sample else -torch.arange(T).float()
+    score = torch.where(eligible, score.expand(N, T).to(loss_mask.device), -float("inf"))
+    picked = score.topk(A, dim=1).indices.sort(dim=1).values  # [N, A]
+    return picked, eligible.gather(1, picked)
+
+
+def block_unroll(
+    drafter: DFlashModel,
+    aux_hidden: Tensor,
+    input_ids: Tensor,
+    loss_mask: Tensor | None,
+    steps: int,
+) -> BlockUnroll:
+    """The drafter over every anchor of a batch in one forward. aux_hidden [N, T, F] (features
+    at positions 0..T-1), input_ids [N, T], loss_mask [N, T] bool; `steps` = K slots trained."""
+    block = drafter.config.block_size
+    if not 1 <= steps <= block - 1:
+        raise ValueError(
+            f"{steps} drafted offsets do not fit a DFlash block of {block} (at most {block - 1}); "
+            "lower drafting.ttt_steps or raise the drafter's block_size"
+        )
+    N, T = input_ids.shape
+    device = input_ids.device
+    keep = loss_mask if loss_mask is not None else torch.ones(N, T, dtype=torch.bool, device=device)
+    anchors, real = choose_anchors(keep, drafter.config.anchors, sample=drafter.training)
+    positions = torch.arange(T, device=device)
+    context = drafter.context_kv(aux_hidden, positions.expand(N, T))  # per layer [N, kv, T, d]
+    visible = positions < anchors[..., None]  # [N, A, T] context strictly before the anchor
+    blocks = drafter.block_tokens(input_ids.gather(1, anchors))  # [N, A, B]
+    logits = drafter(blocks, anchors, context, visible)[:, :, 1 : 1 + steps]  # [N, A, K, Vd]
+    label = anchors[..., None] + torch.arange(1, steps + 1, device=device)  # [N, A, K]
+    trained = keep.gather(1, label.clamp(max=T - 1).view(N, -1)).view(label.shape)
+    return BlockUnroll(logits, anchors, real[..., None] & (label < T) & trained)
+
+
+def _at_slots(per_position: Tensor, anchors: Tensor, steps: int) -> Tensor:
+    """per_position [N, T, ...] -> its value at position a+k-1 of each slot k: [N, A, K, ...]."""
+    N, T = per_position.shape[:2]
+    index = anchors[..., None] + torch.arange(steps, device=anchors.device)  # [N, A, K]
+    flat = index.clamp(max=T - 1).view(N, -1)
+    rest = per_position.shape[2:]
+    gathered = per_position.gather(1, flat.view(N, -1, *([1] * len(rest))).expand(-1, -1, *rest))
+    return gathered.view(*index.shape, *rest)
+
+
+def block_loss(logits: Tensor, teacher: Tensor, valid: Tensor, decay: float) -> Tensor:
+    """Position-decayed soft cross-entropy: sum_k decay^(k-1) * mean over valid blocks of
+    -sum_v p_v log q_v at slot k. logits, teacher [N, A, K, Vd]; valid [N, A, K]. The decay
+    (0.8 per slot: exp(-(k-1)/4.5), near the public trainers' gamma 4 for B=8) spends the
+    gradient where acceptance is decided: a slot only counts if every slot before it did."""
+    if not 0 < decay <= 1:
+        raise ValueError(f"decay must lie in (0, 1], got {decay}")
+    return sum(
+        decay**k * soft_cross_entropy(logits[:, :, k], teacher[:, :, k], valid[:, :, k])
+        for k in range(logits.shape[2])
+    )
+
+
+def sft_block_loss(out: BlockUnroll, teacher: Tensor, decay: float) -> Tensor:
+    """`block_loss` of an unroll against the target's draft-vocab distribution teacher [N, T, Vd]."""
+    return block_loss(
+        out.logits, _at_slots(teacher, out.anchors, out.logits.shape[2]), out.valid, decay
+    )
+
+
+@torch.no_grad()
+def block_acceptance(
+    out: BlockUnroll, target_logits: Tensor, vocab: DraftVocab, *, chain_k: int, expected: bool
+) -> AcceptanceStats:
+    """AcceptanceStats per slot of an unroll; target_logits [N, T, V] at every position. A
+    block's leading hits are what greedy decoding accepts there (module docstring)."""
+    K = out.logits.shape[2]
+    if not 1 <= chain_k <= K:
+        raise ValueError(f"chain_k must be in [1, {K}] (the drafted slots), got {chain_k}")
+    stats = AcceptanceStats.zeros(K, chain_k)
+    choice = _at_slots(target_logits.argmax(-1), out.anchors, K)  # [N, A, K]
+    hit = (vocab.to_target(out.logits.argmax(-1)) == choice) & out.valid
+    if expected:
+        p = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False)  # [N, T, Vd]
+        alpha = acceptance_rate(out.logits.softmax(-1), _at_slots(p, out.anchors, K))
+        stats.alpha_sum = (alpha * out.valid).sum((0, 1)).double()
+    stats.hits = hit.sum((0, 1)).double()
+    stats.valid = out.valid.sum((0, 1)).double()
+    chain_valid = out.valid[..., :chain_k].all(-1)  # [N, A]
+    chain_len = hit[..., :chain_k].long().cumprod(-1).sum(-1)  # [N, A] leading hits
+    stats.chain_rows = chain_valid.sum().double()
+    stats.chain_len = chain_len[chain_valid].sum().double()
+    return stats
+
+
+class BlockUnrolls(nn.Module):
+    """`block_unroll` of several batches as one forward, so DDP sees one forward per backward.
+    Each unroll is (aux_hidden, input_ids, loss_mask, replays or None, steps)."""
+
+    def __init__(self, drafter: DFlashModel):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, *unrolls: tuple) -> list[BlockUnroll]:
+        out = []
+        for aux, ids, mask, replays, steps in unrolls:
+            if replays is not None:
+                raise NotImplementedError(OPD_ISSUE)
+            out.append(block_unroll(self.drafter, aux, ids, mask, steps))
+        return out

@@ -1,0 +1,382 @@
+"""The DFlash block drafter: lossless decoding through the one loop (T=0 token-identical to the
+target, T>0 the target's law with broken-verifier controls), one drafter forward per verify step,
+the block attention's visibility rules, its training forward and loss, and checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import models.decoding as spec
+from models.decoding import SpecConfig, speculative_generate, target_generate
+from models.dflash.drafter import DFlashDrafter
+from models.dflash.export import export_dflash, load_dflash_export
+from models.dflash.model import DFlashModel, default_mask_token
+from models.dflash.train import block_loss, block_unroll, choose_anchors
+from models.drafter import ChainShape, TreeShape
+from models.drafters import load_drafter, recorded_kind, save_drafter
+from models.losses import soft_cross_entropy, teacher_draft_probs
+from models.target import Target, load_target
+from models.vocab import DraftVocab
+from tests.models.conftest import tiny_target
+from tests.models.test_decoding import (
+    EMBEDDED,
+    LAW_PROMPT,
+    LAW_VOCAB,
+    _accept_always,
+    _resample_from_p,
+    chi_square,
+    exact_joint,
+    hf_greedy,
+    make_drafter,
+    random_prompts,
+)
+
+MAX_NEW = 20
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_dflash(
+    target: Target, draft_vocab_size: int, *, counts=None, seed: int = 0, **settings
+) -> DFlashDrafter:
+    if counts is None:  # a fixed, scattered draft vocab, so d2t offsets are not all zero
+        counts = torch.randperm(
+            target.vocab_size, generator=torch.Generator().manual_seed(0)
+        ).float()
+    torch.manual_seed(seed)
+    vocab = DraftVocab.from_counts(counts, draft_vocab_size)
+    return DFlashDrafter.new(target, vocab, settings).eval()
+
+
+def fit_dflash(target: Target, sequences: list[list[int]], block_size: int = 5) -> DFlashDrafter:
+    """A DFlash drafter overfit on the target's own greedy sequences, so blocks get accepted."""
+    width = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    valid = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)], valid[i, : len(s)] = torch.tensor(s), True
+    counts = torch.bincount(ids[valid], minlength=target.vocab_size).float()
+    drafter = make_dflash(target, 64, counts=counts, block_size=block_size)
+    out = target.forward(ids)  # right padding is harmless under a causal mask
+    teacher = teacher_draft_probs(out.logits, drafter.vocab, 0.0)
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    drafter.train()
+    for _ in range(120):
+        unrolled = drafter.unroll(out.aux_hidden, ids, valid, block_size - 1)
+        loss = drafter.sft_loss(unrolled, teacher, out.last_hidden, decay=0.8)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def greedy_case(tiny_llama: Target):
+    torch.set_num_threads(1)
+    prompts = random_prompts(12, tiny_llama.vocab_size, seed=0)
+    reference = target_generate(tiny_llama, prompts, MAX_NEW, eos_token_ids=()).sequences
+    fitted = fit_dflash(tiny_llama, [p + r for p, r in zip(prompts, reference, strict=True)])
+    return prompts, reference, fitted
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize(("which", "batch"), [("random", 12), ("fitted", 1), ("fitted", 5)])
+def test_greedy_equals_target_generate(tiny_llama: Target, greedy_case, which: str, batch: int):
+    prompts, reference, fitted = greedy_case
+    drafter = fitted if which == "fitted" else make_dflash(tiny_llama, 64, seed=1)
+    cfg = SpecConfig(ChainShape(4), temperature=0.0, max_new_tokens=MAX_NEW, eos_token_ids=())
+    got, accepted = [], []
+    for i in range(0, len(prompts), batch):
+        result = speculative_generate(tiny_llama, drafter, prompts[i : i + batch], cfg)
+        got += result.sequences
+        accepted += result.steps["accepted"]
+    assert got == reference
+    if which == "fitted":  # the equality must also have been tested on accepted blocks
+        assert sum(accepted) > 60 and accepted.count(4) >= 5, accepted
+
+
+@pytest.mark.skipif(
+    not (EMBEDDED / "model.safetensors").is_file(), reason="embedded target not trained yet"
+)
+def test_greedy_equals_target_on_the_embedded_target():
+    """The embedded target (bf16, a pad token: the mask token is `<|pad|>`, id 2)."""
+    target = load_target(EMBEDDED, aux_layer_ids=(1, 3, 5))
+    prompts = random_prompts(8, target.vocab_size, seed=7, lengths=(14, 19))
+    reference = hf_greedy(target, prompts, 16)
+    drafter = make_dflash(target, min(1024, target.vocab_size))
+    assert drafter.config.mask_token_id == 2
+    cfg = SpecConfig(ChainShape(6), max_new_tokens=16, eos_token_ids=())
+    assert speculative_generate(target, drafter, prompts, cfg).sequences == reference
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_drafter_forward_per_verify_step(
+    tiny_llama: Target, greedy_case, monkeypatch, temperature: float
+):
+    prompts, _, fitted = greedy_case
+    calls = [0]
+    real = DFlashModel.forward
+
+    def counting(self, *args, **kwargs):
+        calls[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DFlashModel, "forward", counting)
+    cfg = SpecConfig(ChainShape(4), temperature=temperature, max_new_tokens=MAX_NEW, seed=2)
+    stats = speculative_generate(tiny_llama, fitted, prompts[:5], cfg).stats
+    # the last step of a row with one token left drafts nothing (budget 0): no forward then
+    assert calls[0] == stats["drafter_forwards"]
+    assert stats["verify_forwards"] - 1 <= calls[0] <= stats["verify_forwards"]
+    assert stats["tau"] > (1.5 if temperature == 0 else 1.0)
+
+
+LAW_COUNTS = torch.tensor([0.0, 5, 5, 0, 5, 5, 5, 5])  # q = 0 on ids 0 and 3
+
+
+@pytest.fixture(scope="module")
+def law_case():
+    target = tiny_target(
+        "llama",
+        vocab_size=LAW_VOCAB,
+        hidden_size=16,
+        num_layers=4,
+        num_heads=2,
+        num_kv_heads=1,
+        head_scale=1.0,
+    )
+    return target, make_dflash(target, 6, counts=LAW_COUNTS, seed=3, block_size=3)
+
+
+def sample_first_three(target, drafter, k: int, temperature: float, n: int, seed: int = 0):
+    cfg = SpecConfig(
+        ChainShape(k), temperature=temperature, max_new_tokens=k + 2, seed=seed, eos_token_ids=()
+    )
+    return speculative_generate(target, drafter, [LAW_PROMPT] * n, cfg)
+
+
+@pytest.mark.parametrize(("k", "temperature"), [(1, 1.0), (2, 1.0), (2, 0.7)])
+def test_sampling_law_equals_target(law_case, k: int, temperature: float):
+    target, drafter = law_case
+    result = sample_first_three(target, drafter, k, temperature, n=20_000)
+    stat, critical, tv = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, temperature))
+    assert stat < critical, (stat, critical, tv)
+    outcomes = result.records["outcome"]
+    assert outcomes.count("accepted") > 2000 and outcomes.count("rejected") > 2000
+
+
+@pytest.mark.parametrize(
+    ("name", "broken"), [("_accept_draft", _accept_always), ("_correction", _resample_from_p)]
+)
+def test_sampling_law_catches_a_broken_verifier(law_case, monkeypatch, name: str, broken):
+    target, drafter = law_case
+    monkeypatch.setattr(spec, name, broken)
+    result = sample_first_three(target, drafter, 2, 1.0, n=8_000)
+    stat, critical, _ = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, 1.0))
+    assert stat > critical
+
+
+def test_blocks_refuse_trees_and_too_long_chains(tiny_llama: Target):
+    drafter = make_dflash(tiny_llama, 64, block_size=4)
+    for shape in (ChainShape(4), TreeShape(2, 2, 4)):
+        with pytest.raises(ValueError, match="block|tree"):
+            drafter.proposer(shape, 0.0, torch.Generator(), None)
+
+
+# ---------------------------------------------------------------------------- the block mask
+
+
+def test_a_block_sees_only_earlier_context_and_its_own_slots(tiny_llama: Target):
+    """Changing context at or after a block's anchor, or another block, leaves its logits
+    alone; changing a later slot of its own block changes an earlier slot (bidirectional)."""
+    drafter = make_dflash(tiny_llama, 64, seed=4)
+    T, B = 16, drafter.config.block_size
+    ids = torch.randint(
+        0, tiny_llama.vocab_size, (1, T), generator=torch.Generator().manual_seed(1)
+    )
+    aux = tiny_llama.forward(ids).aux_hidden
+    positions = torch.arange(T)[None]
+    anchors = torch.tensor([[3, 9]])
+    visible = positions[:, None, :] < anchors[..., None]  # [1, 2, T]
+
+    def run(aux, blocks):
+        return drafter(blocks, anchors, drafter.context_kv(aux, positions), visible)
+
+    blocks = drafter.block_tokens(ids.gather(1, anchors))
+    base = run(aux, blocks)
+    later = aux.clone()
+    later[:, 3:] += 1.0  # context from block 0's anchor on
+    assert torch.allclose(run(later, blocks)[:, 0], base[:, 0], atol=1e-5)
+    assert not torch.allclose(run(later, blocks)[:, 1], base[:, 1], atol=1e-3)
+    other = blocks.clone()
+    other[0, 1, 0] = (other[0, 1, 0] + 1) % tiny_llama.vocab_size  # block 1's anchor token
+    assert torch.allclose(run(aux, other)[:, 0], base[:, 0], atol=1e-5)
+    own = blocks.clone()
+    own[0, 0, B - 1] = 7  # the last slot of block 0
+    assert not torch.allclose(run(aux, own)[0, 0, 1], base[0, 0, 1], atol=1e-4)
+
+
+def test_training_blocks_equal_the_decoding_block(tiny_llama: Target):
+    """The many-anchor training forward gives each anchor the logits a proposer's single block
+    forward gives from the prefix before it."""
+    drafter = make_dflash(tiny_llama, 64, seed=5)
+    T = 14
+    ids = torch.randint(
+        0, tiny_llama.vocab_size, (2, T), generator=torch.Generator().manual_seed(2)
+    )
+    aux = tiny_llama.forward(ids).aux_hidden
+    out = block_unroll(drafter, aux, ids, None, drafter.config.block_size - 1)
+    for row in range(2):
+        for j in (0, 5, 11):
+            a = int(out.anchors[row, j])
+            alone = drafter(
+                drafter.block_tokens(ids[row : row + 1, a : a + 1]),
+                torch.tensor([[a]]),
+                drafter.context_kv(aux[row : row + 1, :a], torch.arange(a)[None]),
+                torch.ones(1, 1, a, dtype=torch.bool),
+            )[0, 0, 1:]
+            assert torch.allclose(out.logits[row, j], alone, atol=1e-5)
+
+
+def test_anchors_cover_trained_positions_without_repeats():
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, 4:] = True
+    mask[1, 2:7] = True
+    anchors, real = choose_anchors(mask, cap=64, sample=False)
+    assert anchors[0][real[0]].tolist() == list(range(3, 11))  # x_{a+1} trained, a+1 < T
+    assert anchors[1][real[1]].tolist() == list(range(1, 6))
+    torch.manual_seed(0)
+    sampled, real = choose_anchors(torch.ones(3, 40, dtype=torch.bool), cap=5, sample=True)
+    assert sampled.shape == (3, 5) and bool(real.all())
+    assert all(len(set(r)) == 5 and r == sorted(r) for r in sampled.tolist())
+
+
+# ---------------------------------------------------------------------------- the loss
+
+
+def test_block_loss_is_the_decayed_sum_of_per_slot_soft_ce():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 4, 10, generator=gen)
+    teacher = torch.randn(2, 3, 4, 10, generator=gen).softmax(-1)
+    valid = torch.rand(2, 3, 4, generator=gen) > 0.3
+    want = sum(
+        0.8**k * soft_cross_entropy(logits[:, :, k], teacher[:, :, k], valid[:, :, k])
+        for k in range(4)
+    )
+    assert torch.allclose(block_loss(logits, teacher, valid, 0.8), want)
+    # masked-out slots never matter; a teacher-matching drafter pays only the teacher's entropy
+    noisy = torch.where(valid[..., None], logits, torch.randn_like(logits) * 100)
+    assert torch.allclose(block_loss(noisy, teacher, valid, 0.8), want)
+    entropy = block_loss(teacher.log(), teacher, valid, 1.0)
+    assert entropy <= block_loss(logits, teacher, valid, 1.0)
+    with pytest.raises(ValueError, match="decay"):
+        block_loss(logits, teacher, valid, 0.0)
+
+
+def test_later_slots_weigh_less():
+    teacher = torch.full((1, 1, 3, 4), 0.25)
+    logits = torch.zeros(1, 1, 3, 4)
+    per_slot = []
+    for k in range(3):
+        valid = torch.zeros(1, 1, 3, dtype=torch.bool)
+        valid[..., k] = True
+        per_slot.append(float(block_loss(logits, teacher, valid, 0.5)))
+    assert per_slot[0] == pytest.approx(2 * per_slot[1]) and per_slot[1] == pytest.approx(
+        2 * per_slot[2]
+    )
+
+
+def test_training_raises_teacher_forced_acceptance(tiny_llama: Target, greedy_case):
+    prompts, reference, fitted = greedy_case
+    seqs = [p + r for p, r in zip(prompts, reference, strict=True)]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[i < len(s) for i in range(width)] for s in seqs])
+    out = tiny_llama.forward(ids)
+    taus = []
+    for drafter in (fitted.untrained(), fitted):
+        unrolled = drafter.unroll(out.aux_hidden, ids, mask, 4)
+        taus.append(drafter.acceptance(unrolled, out.logits, chain_k=4).summary()["tau_chain"])
+    assert taus[1] > taus[0] + 1.0, taus
+
+
+def test_opd_over_dflash_is_refused_by_name(tiny_llama: Target):
+    drafter = make_dflash(tiny_llama, 64)
+    with pytest.raises(NotImplementedError, match="issue #28"):
+        drafter.replay(torch.zeros(5, 96), torch.zeros(5, dtype=torch.long), torch.tensor([2]), 2)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def test_save_load_round_trip_records_the_kind(tiny_llama: Target, greedy_case, tmp_path):
+    _, _, fitted = greedy_case
+    save_drafter(fitted, tmp_path)
+    assert recorded_kind(tmp_path) == "dflash"
+    loaded = load_drafter(tmp_path, tiny_llama.embed_weight, kind="dflash")
+    assert isinstance(loaded, DFlashDrafter) and loaded.config == fitted.config
+    for name, t in fitted.tensors().items():
+        assert torch.equal(loaded.tensors()[name], t), name
+    with pytest.raises(ValueError, match="dflash drafter, not a eagle3"):
+        load_drafter(tmp_path, tiny_llama.embed_weight, kind="eagle3")
+
+
+def test_bad_settings_are_one_line_errors(tiny_llama: Target):
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        make_dflash(tiny_llama, 64, block_size=1)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        make_dflash(tiny_llama, 64, mask_token_id=tiny_llama.vocab_size)
+    with pytest.raises(ValueError, match="unknown DFlash drafter settings"):
+        make_dflash(tiny_llama, 64, ttt_steps=3)
+
+
+def test_mask_token_is_the_pad_token_else_the_last_id():
+    assert default_mask_token({"pad_token_id": 2, "eos_token_id": 1, "vocab_size": 4096}) == 2
+    assert default_mask_token({"pad_token_id": 1, "eos_token_id": 1, "vocab_size": 4096}) == 4095
+    assert default_mask_token({"pad_token_id": None, "vocab_size": 96}) == 95
+
+
+# ---------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("draft_vocab", [64, 96])
+def test_export_round_trips_in_vllms_dflash_format(tiny_llama: Target, tmp_path, draft_vocab):
+    drafter = make_dflash(tiny_llama, draft_vocab, seed=6)
+    out = export_dflash(drafter, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {
+        "target_layer_ids": [0, 1, 2],  # vLLM's layer-output ids: aux ids (1, 2, 3) minus one
+        "mask_token_id": drafter.config.mask_token_id,
+        "block_size": drafter.config.block_size,
+        "use_aux_hidden_state": True,
+    }
+    assert config["rope_parameters"]["rope_theta"] == 10000.0
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "fc.weight" in names and "layers.1.self_attn.k_norm.weight" in names
+    assert not any(n.startswith(("model.", "embed_tokens")) for n in names)
+    assert ("d2t" in names) == (draft_vocab < tiny_llama.vocab_size)
+    back = load_dflash_export(out, tiny_llama.embed_weight)
+    assert back.config == drafter.config
+    prompts = random_prompts(3, tiny_llama.vocab_size, seed=7)
+    cfg = SpecConfig(ChainShape(4), max_new_tokens=10, eos_token_ids=())
+    a = speculative_generate(tiny_llama, drafter, prompts, cfg)
+    b = speculative_generate(tiny_llama, back, prompts, cfg)
+    assert a.records == b.records
+
+
+def test_only_dflash_drafters_export_as_dflash(tiny_llama: Target, tmp_path):
+    eagle = make_drafter(tiny_llama, 64)
+    with pytest.raises(ValueError, match="eagle3 drafter cannot be exported in the dflash"):
+        export_dflash(eagle, tmp_path)
