@@ -53,8 +53,8 @@ from models.decoding import (
     target_generate,
 )
 from models.drafter import ChainShape, TreeShape
-from pipeline.config import DraftTree, StrictConfig, optional_field, runtime_field
-from pipeline.drafters import load_drafter_dataset
+from pipeline.config import DraftTree, StopConfidence, StrictConfig, optional_field, runtime_field
+from pipeline.drafters import check_drafting_depth, load_drafter_dataset
 from pipeline.runner import RunContext
 from pipeline.stage import DRAFTER_DATASETS, Stage
 from pipeline.targets import resolve_dtype
@@ -69,6 +69,9 @@ class Config(StrictConfig):
     k: int = Field(6, ge=1)
     """Drafted tokens per verify step; set through `drafting.k`."""
     tree: DraftTree | None = optional_field("decode on draft trees; set through `drafting.tree`")
+    stop_confidence: StopConfidence | None = optional_field(
+        "stop a chain's drafting below this joint confidence: `drafting.stop_confidence`"
+    )
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(1, ge=1)
@@ -147,7 +150,9 @@ def evaluate(
     """Run both decoders over `prompts` (prompts `first`.. of the evaluation) in batches."""
     from tqdm import tqdm
 
-    decode = decoder(cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, cfg.seed)
+    decode = decoder(
+        cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, cfg.seed, cfg.stop_confidence
+    )
     records: dict[str, list] = {}
     steps: dict[str, list] = {}
     out = Decoded(pl.DataFrame(), pl.DataFrame())
@@ -210,6 +215,7 @@ def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
         "tau": tau,
         "alpha": alpha,
         "k": cfg.k,
+        **({"stop_confidence": cfg.stop_confidence} if cfg.stop_confidence is not None else {}),
         **({"tree": cfg.tree.model_dump()} if cfg.tree else {}),
         "temperature": cfg.temperature,
         "prompts": prompts,
@@ -230,9 +236,18 @@ def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
     return stats
 
 
-def decoder(k: int, tree: DraftTree | None, temperature: float, max_new_tokens: int, seed: int):
-    """decode(target, drafter, prompts) -> SpecResult: K-chains, or draft trees when `tree` is set."""
-    shape = ChainShape(k) if tree is None else TreeShape(**tree.model_dump())
+def decoder(
+    k: int,
+    tree: DraftTree | None,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    stop_confidence: float | None = None,
+):
+    """decode(target, drafter, prompts) -> SpecResult: K-chains (confidence-stopped when
+    `stop_confidence` is set), or draft trees when `tree` is set."""
+    chain = ChainShape(k, stop_confidence or 0.0)
+    shape = chain if tree is None else TreeShape(**tree.model_dump())
     spec = SpecConfig(shape, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     return lambda target, drafter, prompts: speculative_generate(target, drafter, prompts, spec)
 
@@ -360,6 +375,7 @@ def run(
             "speculative_token_tree, not EAGLE-2's dynamic trees (README: draft trees); "
             "evaluate trees with backend=hf"
         )
+    check_drafting_depth(inputs["drafter"], cfg.k if cfg.tree is None else cfg.tree.depth)
     target = ctx.target_loader.target
     drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity)
     prompts = _prompt_ids(inputs["prompts"], cfg)
@@ -411,6 +427,6 @@ STAGE = Stage(
     doc="speculative decoding on held-out prompts: tau, per-position acceptance, speed-up",
     inputs={"prompts": ("prompts",), "drafter": DRAFTER_DATASETS},
     default_inputs={"drafter": "sft@latest"},
-    drafting={"k": "k", "tree": "tree"},
+    drafting={"k": "k", "tree": "tree", "stop_confidence": "stop_confidence"},
     sharded=True,
 )
