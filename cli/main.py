@@ -372,8 +372,8 @@ def _config(profile: str | None, sets: tuple[str, ...], k: int | None = None):
         raise OpdError(f"--k must be >= 1 (tokens drafted per step), got {k}")
     cfg = load_config(profile or "default", None, list(sets))
     if k is not None:
-        # Evaluating or serving a trained drafter deeper than its TTT depth is a fair question
-        # to ask of it; the ttt_steps >= k rule guards training configs, so raise it alongside.
+        # The ttt_steps >= k rule guards training configs, so raise it alongside; evaluate
+        # checks K against the depth the drafter itself was trained to (its recorded ttt_steps).
         ttt = max(k, cfg.drafting.ttt_steps)
         more = [f"drafting.k={k}", f"drafting.ttt_steps={ttt}"]
         cfg = load_config(profile or "default", None, [*sets, *more])
@@ -399,7 +399,11 @@ def _loader(cfg, profile: str | None, sets: tuple[str, ...], datasets=()):
 )
 @click.option("--prompts", "prompts_ref", default="prompts@latest", show_default=True)
 @click.option(
-    "--k", type=int, default=None, help="Drafted tokens per verify step [profile: drafting.k]."
+    "--k",
+    type=int,
+    default=None,
+    help="Drafted tokens per verify step [the drafter's trained K, or the profile's drafting.k "
+    "when --profile is given].",
 )
 @click.option(
     "--temperature",
@@ -436,8 +440,12 @@ def eval_cmd(
 
     extra = (f"evaluate.temperature={temperature}",) if temperature is not None else ()
     extra += (f"evaluate.backend={backend}",) if backend is not None else ()
-    cfg = _config(profile, sets + extra, k)
     inputs = {"prompts": store.open(prompts_ref), "drafter": store.open(drafter_ref)}
+    if k is None and profile is None and not any(s.startswith("drafting.k=") for s in sets):
+        from pipeline.tuning import trained_k
+
+        k = trained_k(inputs["drafter"])  # like the target: the drafter's own, unless stated
+    cfg = _config(profile, sets + extra, k)
     cfg, loader = _loader(cfg, profile, sets, inputs.values())
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json)
     if not as_json:
@@ -573,7 +581,15 @@ def analyze_cmd(
     "--k",
     type=int,
     default=None,
-    help="num_speculative_tokens to serve with [profile: drafting.k].",
+    help="num_speculative_tokens to serve with [default: the K `opd tune` measured fastest at "
+    "--temperature, else the drafter's trained K].",
+)
+@click.option(
+    "--temperature",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="The serving temperature whose `opd tune` result picks K.",
 )
 @click.option(
     "--verifier",
@@ -592,27 +608,116 @@ def export_cmd(
     out: Path,
     overwrite: bool,
     k: int | None,
+    temperature: float,
     verifier: str | None,
     profile: str | None,
     sets: tuple[str, ...],
 ) -> None:
     """Write a drafter as a directory vLLM loads, and print the command that serves it."""
     from pipeline.export import export_drafter
+    from pipeline.tuning import serving_k, trained_k
 
     cfg = _config(profile, sets, k)
     drafter = store.open(drafter_ref)
     cfg, loader = _loader(cfg, profile, sets, [drafter])
+    if k is None:
+        k, source = serving_k(drafter, temperature, trained_k(drafter) or cfg.drafting.k)
+    else:
+        source = "--k"
     info = export_drafter(
-        drafter, loader, fmt, out, cfg.drafting.k, overwrite=overwrite, verifier=verifier
-    )  # type: ignore[arg-type]
+        drafter,
+        loader,
+        fmt,  # type: ignore[arg-type]
+        out,
+        k,
+        overwrite=overwrite,
+        verifier=verifier,
+    )
     for warning in info["warnings"]:
         click.echo(f"warning: {warning}", err=True)
     click.echo(
         f"exported {info['drafter']} as {fmt} to {info['path']} (round trip: identical logits)"
     )
+    click.echo(f"num_speculative_tokens {k}: {source} (override with --k)")
     click.echo("serve it with:")
     click.echo(f"  {info['vllm_command']}")
     click.echo(f"  ({info['tree_note']})")
+
+
+@cli.command("tune")
+@click.option("--drafter", "drafter_ref", default="opd@latest", show_default=True)
+@click.option("--prompts", "prompts_ref", default="prompts@latest", show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="Serving T.")
+@click.option("--max-prompts", type=int, default=None, help="[profile: evaluate.max_prompts]")
+@click.option("--repeats", type=int, default=2, show_default=True, help="Best of N per setting.")
+@click.option(
+    "--candidates", type=int, default=3, show_default=True, help="Best predicted settings timed."
+)
+@click.option("--profile", default=None, help=_PROFILE_HELP)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.option(
+    "--threads",
+    type=int,
+    default=1,
+    show_default=True,
+    help="torch CPU threads: a batch-1 decode runs fastest on one, and on a shared machine "
+    "more threads spin against the other jobs.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+@click.pass_obj
+def tune_cmd(
+    store: Store,
+    drafter_ref: str,
+    prompts_ref: str,
+    temperature: float,
+    max_prompts: int | None,
+    repeats: int,
+    candidates: int,
+    profile: str | None,
+    sets: tuple[str, ...],
+    threads: int,
+    as_json: bool,
+) -> None:
+    """Measure the K and stop threshold that decode a drafter fastest on this machine (batch
+    1, the held-out prompts evaluate uses); `opd export` then serves with that K."""
+    import torch
+
+    from models.draft_length import TuneOptions
+    from pipeline.tuning import heldout_prompts, run_tune
+
+    for name, value in (
+        ("--repeats", repeats),
+        ("--candidates", candidates),
+        ("--threads", threads),
+    ):
+        if value < 1:
+            raise OpdError(f"{name} must be >= 1, got {value}")
+    torch.set_num_threads(threads)
+    cfg = _config(profile, sets)
+    drafter, prompts_ds = store.open(drafter_ref), store.open(prompts_ref)
+    cfg, loader = _loader(cfg, profile, sets, [drafter, prompts_ds])
+    ecfg = cfg.evaluate
+    prompts = heldout_prompts(prompts_ds, ecfg.split, max_prompts or ecfg.max_prompts)
+    opts = TuneOptions(ecfg.max_new_tokens, repeats=repeats, candidates=candidates)
+    result = run_tune(drafter, prompts, loader, temperature, cfg.drafting.k, opts)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    for name, row in result["measured"].items():
+        setting = row.get("setting")
+        what = (
+            "plain decoding" if setting is None else f"K={setting['k']} stop={setting['threshold']}"
+        )
+        speed = f"{row['tokens_per_s']:.1f} tok/s"
+        if "speedup_vs_plain" in row:
+            predicted = row["predicted"]["speedup_vs_plain"]
+            speed += f" {row['speedup_vs_plain']:.2f}x (predicted {predicted:.2f}x)"
+        click.echo(f"  {name:<12} {what:<18} {speed}")
+    best, serve = result["best_measured"], result["serve"]
+    click.echo(
+        f"fastest at T={temperature}: K={best['k']} stop={best['threshold']} "
+        f"({best['speedup_vs_plain']}x); serve with K={serve['k']} (vLLM drafts a fixed K)"
+    )
 
 
 @cli.command("serve")
