@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from models.drafter import (
+    ChainShape,
     CommittedRows,
     Proposal,
     Replayed,
@@ -123,7 +124,7 @@ class Eagle3Proposer:
     def _all_stopped(self, confidence: Tensor) -> bool:
         """Every row's stop rule already ended its chain: a further forward would go unverified
         (the loop drops the drafts past each row's stop; see `ChainShape.stop_confidence`)."""
-        threshold = getattr(self.shape, "stop_confidence", 0.0)
+        threshold = self.shape.stop_confidence if isinstance(self.shape, ChainShape) else 0.0
         if threshold <= 0:
             return False
         return bool((confident_length(confidence, threshold) < confidence.shape[1]).all())
