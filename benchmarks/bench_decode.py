@@ -32,13 +32,13 @@ import argparse
 import json
 from typing import Any
 
-import polars as pl
 import torch
 
 from models.draft_length import THRESHOLDS, TuneOptions, tune
 from pipeline.drafters import load_drafter_dataset, trained_depth
 from pipeline.profiles import load_config
 from pipeline.targets import TargetLoader
+from pipeline.tuning import heldout_prompts
 from storage import OpdError, Store, default_root
 
 
@@ -51,14 +51,7 @@ def load(root: str, profile: str, drafter_ref: str, n_prompts: int | None):
     drafter = load_drafter_dataset(drafter_ds, loader.target, loader.identity).eval()
     prompts_ds = store.open("prompts@latest")
     split, evaluated = cfg.evaluate.split, cfg.evaluate.max_prompts
-    held = (
-        prompts_ds.scan()
-        .filter(pl.col("split") == split)
-        .head(evaluated)
-        .select("prompt_ids")
-        .collect()["prompt_ids"]
-        .to_list()
-    )
+    held = heldout_prompts(prompts_ds, split, evaluated)
     prompts = held[: n_prompts or len(held)]
     what = f"{prompts_ds.ref} {split}: the {len(held)} evaluate decodes"
     if len(prompts) < len(held):
