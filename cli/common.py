@@ -42,8 +42,8 @@ def command_config(profile: str | None, sets: tuple[str, ...], k: int | None = N
         raise OpdError(f"--k must be >= 1 (tokens drafted per step), got {k}")
     cfg = load_config(profile or "default", None, list(sets))
     if k is not None:
-        # Evaluating or serving a trained drafter deeper than its TTT depth is a fair question
-        # to ask of it; the ttt_steps >= k rule guards training configs, so raise it alongside.
+        # The ttt_steps >= k rule guards training configs, so raise it alongside; evaluate
+        # checks K against the depth the drafter itself was trained to (its recorded ttt_steps).
         ttt = max(k, cfg.drafting.ttt_steps)
         more = [f"drafting.k={k}", f"drafting.ttt_steps={ttt}"]
         cfg = load_config(profile or "default", None, [*sets, *more])

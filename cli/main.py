@@ -50,6 +50,7 @@ for command in (
     run.run_cmd,
     measure.eval_cmd,
     measure.analyze_cmd,
+    measure.tune_cmd,
     serve.export_cmd,
     serve.serve_cmd,
     experiment.experiment_group,

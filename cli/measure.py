@@ -1,4 +1,5 @@
-"""`opd eval` and `opd analyze`: measure a drafter, read a rejection log."""
+"""`opd eval`, `opd analyze`, `opd tune`: measure a drafter, read a rejection log, find the K
+that decodes fastest here."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import click
 
 from cli.common import PROFILE_HELP, command_config, command_target, setup_logging
-from storage import Store, check_run_name
+from storage import OpdError, Store, check_run_name
 
 
 @click.command("eval")
@@ -20,7 +21,11 @@ from storage import Store, check_run_name
 )
 @click.option("--prompts", "prompts_ref", default="prompts@latest", show_default=True)
 @click.option(
-    "--k", type=int, default=None, help="Drafted tokens per verify step [profile: drafting.k]."
+    "--k",
+    type=int,
+    default=None,
+    help="Drafted tokens per verify step [the drafter's trained K, or the profile's drafting.k "
+    "when --profile is given].",
 )
 @click.option(
     "--temperature",
@@ -57,8 +62,13 @@ def eval_cmd(
 
     extra = (f"evaluate.temperature={temperature}",) if temperature is not None else ()
     extra += (f"evaluate.backend={backend}",) if backend is not None else ()
-    cfg = command_config(profile, sets + extra, k)
+    cfg = command_config(profile, sets + extra, k)  # bad settings fail before any input opens
     inputs = {"prompts": store.open(prompts_ref), "drafter": store.open(drafter_ref)}
+    if k is None and profile is None and not any(s.startswith("drafting.k=") for s in sets):
+        from pipeline.core.tuning import trained_k
+
+        # like the target: the drafter's own trained K, unless the command line states one
+        cfg = command_config(profile, sets + extra, trained_k(inputs["drafter"]))
     cfg, loader = command_target(cfg, profile, sets, inputs.values())
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json)
     if not as_json:
@@ -164,3 +174,79 @@ def analyze_cmd(
         )
     else:
         click.echo(analyze.summary_text(res))
+
+
+@click.command("tune")
+@click.option("--drafter", "drafter_ref", default="opd@latest", show_default=True)
+@click.option("--prompts", "prompts_ref", default="prompts@latest", show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="Serving T.")
+@click.option("--max-prompts", type=int, default=None, help="[profile: evaluate.max_prompts]")
+@click.option("--repeats", type=int, default=2, show_default=True, help="Best of N per setting.")
+@click.option(
+    "--candidates", type=int, default=3, show_default=True, help="Best predicted settings timed."
+)
+@click.option("--profile", default=None, help=PROFILE_HELP)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.option(
+    "--threads",
+    type=int,
+    default=1,
+    show_default=True,
+    help="torch CPU threads: a batch-1 decode runs fastest on one, and on a shared machine "
+    "more threads spin against the other jobs.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+@click.pass_obj
+def tune_cmd(
+    store: Store,
+    drafter_ref: str,
+    prompts_ref: str,
+    temperature: float,
+    max_prompts: int | None,
+    repeats: int,
+    candidates: int,
+    profile: str | None,
+    sets: tuple[str, ...],
+    threads: int,
+    as_json: bool,
+) -> None:
+    """Measure the K and stop threshold that decode a drafter fastest on this machine (batch
+    1, the held-out prompts evaluate uses); `opd export` then serves with that K."""
+    import torch
+
+    from models.draft_length import TuneOptions
+    from pipeline.core.tuning import heldout_prompts, run_tune
+
+    for name, value in (
+        ("--repeats", repeats),
+        ("--candidates", candidates),
+        ("--threads", threads),
+    ):
+        if value < 1:
+            raise OpdError(f"{name} must be >= 1, got {value}")
+    torch.set_num_threads(threads)
+    cfg = command_config(profile, sets)
+    drafter, prompts_ds = store.open(drafter_ref), store.open(prompts_ref)
+    cfg, loader = command_target(cfg, profile, sets, [drafter, prompts_ds])
+    ecfg = cfg.evaluate
+    prompts = heldout_prompts(prompts_ds, ecfg.split, max_prompts or ecfg.max_prompts)
+    opts = TuneOptions(ecfg.max_new_tokens, repeats=repeats, candidates=candidates)
+    result = run_tune(drafter, prompts, loader, temperature, cfg.drafting.k, opts)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    for name, row in result["measured"].items():
+        setting = row.get("setting")
+        what = (
+            "plain decoding" if setting is None else f"K={setting['k']} stop={setting['threshold']}"
+        )
+        speed = f"{row['tokens_per_s']:.1f} tok/s"
+        if "speedup_vs_plain" in row:
+            predicted = row["predicted"]["speedup_vs_plain"]
+            speed += f" {row['speedup_vs_plain']:.2f}x (predicted {predicted:.2f}x)"
+        click.echo(f"  {name:<12} {what:<18} {speed}")
+    best, serve = result["best_measured"], result["serve"]
+    click.echo(
+        f"fastest at T={temperature}: K={best['k']} stop={best['threshold']} "
+        f"({best['speedup_vs_plain']}x); serve with K={serve['k']} (vLLM drafts a fixed K)"
+    )

@@ -49,7 +49,15 @@ from storage import OpdError, Store
     "--k",
     type=int,
     default=None,
-    help="num_speculative_tokens to serve with [profile: drafting.k].",
+    help="num_speculative_tokens to serve with [default: the K `opd tune` measured fastest at "
+    "--temperature, else the drafter's trained K].",
+)
+@click.option(
+    "--temperature",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="The serving temperature whose `opd tune` result picks K.",
 )
 @click.option(
     "--verifier",
@@ -69,11 +77,13 @@ def export_cmd(
     verify_dir: Path | None,
     overwrite: bool,
     k: int | None,
+    temperature: float,
     verifier: str | None,
     profile: str | None,
     sets: tuple[str, ...],
 ) -> None:
     """Write a drafter as a directory vLLM loads, and print the command that serves it."""
+    from pipeline.core.tuning import serving_k, trained_k
     from pipeline.export import export_drafter, verify_export
 
     if verify_dir is not None:
@@ -87,13 +97,20 @@ def export_cmd(
     cfg = command_config(profile, sets, k)
     drafter = store.open(drafter_ref)
     cfg, loader = command_target(cfg, profile, sets, [drafter])
-    info = export_drafter(
-        drafter, loader, fmt, out, cfg.drafting.k, overwrite=overwrite, verifier=verifier
-    )
+    if k is None:
+        k, source = serving_k(drafter, temperature, trained_k(drafter) or cfg.drafting.k)
+    else:
+        source = "--k"
+    info = export_drafter(drafter, loader, fmt, out, k, overwrite=overwrite, verifier=verifier)
+    if info["num_speculative_tokens"] != k:
+        source = f"the drafter's block (asked for {k}; vLLM drafts a whole block)"
     for warning in info["warnings"]:
         click.echo(f"warning: {warning}", err=True)
     click.echo(
         f"exported {info['drafter']} as {info['format']} to {info['path']} (round trip: identical logits)"
+    )
+    click.echo(
+        f"num_speculative_tokens {info['num_speculative_tokens']}: {source} (override with --k)"
     )
     click.echo("serve it with:")
     click.echo(f"  {info['vllm_command']}")

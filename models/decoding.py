@@ -46,7 +46,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.drafter import ChainShape, CommittedRows, Drafter, Proposal, Shape, TreeShape
+from models.drafter import (
+    ChainShape,
+    CommittedRows,
+    Drafter,
+    Proposal,
+    Shape,
+    TreeShape,
+    confident_length,
+    truncated,
+)
 from models.kv import extend_mask, trim_slots, valid_upto
 from models.target import Target
 
@@ -151,6 +160,9 @@ def speculative_generate(
         else:
             proposal = Proposal.empty(state.batch, device, chain)
         counts["drafter"] += proposal.forwards
+        if chain and cfg.shape.stop_confidence > 0:
+            budget = torch.minimum(budget, _confident(proposal, cfg.shape.stop_confidence))
+            proposal = truncated(proposal, budget)
         depth = proposal.tokens.shape[1] if chain else int(budget.max())
         out, start = _verify(target, state, proposal, depth, timer)
         counts["verify"] += 1
@@ -196,6 +208,11 @@ def target_generate(
         state.seq_len += 1
         state.n_gen += 1
     return GenerateResult(state.results, state.finish_reasons, forwards)
+
+
+def _confident(proposal: Proposal, threshold: float) -> Tensor:
+    """[B] drafts a chain proposes under its stop rule (a proposer may have stopped already)."""
+    return confident_length(proposal.confidence, threshold, joint=proposal.joint_confidence)
 
 
 # ---------------------------------------------------------------------------- batch state
@@ -677,6 +694,10 @@ def _check_config(shape: Shape, temperature: float, max_new_tokens: int) -> None
             )
     elif not isinstance(shape.k, int) or isinstance(shape.k, bool) or shape.k <= 0:
         raise ValueError(f"k (drafted tokens per step) must be a positive int, got {shape.k!r}")
+    elif not 0 <= shape.stop_confidence < 1:
+        raise ValueError(
+            f"stop_confidence must lie in [0, 1) (0 = never stop), got {shape.stop_confidence!r}"
+        )
     if (
         not (isinstance(temperature, (int, float)) and math.isfinite(temperature))
         or temperature < 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -44,6 +44,9 @@ class ChainShape:
     """K drafts per verify step, each continuing the one before (chains, blocks)."""
 
     k: int
+    stop_confidence: float = 0.0
+    """Propose only the drafts whose joint confidence reaches it (`confident_length`); 0: all
+    K. Lossless: it changes only what is proposed, never how verification accepts."""
 
     @property
     def depth(self) -> int:
@@ -96,6 +99,10 @@ class Proposal:
     vocab_map: Tensor | None = None  # [Vd] target id of each `dists` entry
     parent: Tensor | None = None  # [B, N] trees: the parent's node index (1-based; 0 = the root)
     depth: Tensor | None = None  # [B, N] trees: 1-based depth
+    joint_confidence: bool = True
+    """How a chain's stop rule reads `confidence`: True, each node's is conditional on the drafts
+    before it (a chain drafted node by node), so their product is the proposal's probability;
+    False, a block's positions come from one forward as marginals, so each stands alone."""
 
     @property
     def is_chain(self) -> bool:
@@ -106,6 +113,32 @@ class Proposal:
         none = torch.zeros(batch, 0, device=device)
         tree = {} if chain else {"parent": none.long(), "depth": none.long()}
         return cls(none.long(), none, none, forwards=0, **tree)
+
+
+def confident_length(confidence: Tensor, threshold: float, *, joint: bool = True) -> Tensor:
+    """Drafts worth proposing per row: the nodes before the first whose confidence (the running
+    product along the chain when `joint`) falls below `threshold`. confidence [B, N] -> [B].
+
+    Confidence is the drafter's max_v q_v, known before the node's token is drawn, so stopping
+    on it never depends on the token itself: the proposal's law at each kept node is still q,
+    and the loop's acceptance stays lossless."""
+    score = confidence.cumprod(dim=1) if joint else confidence
+    return (score >= threshold).long().cumprod(dim=1).sum(dim=1)
+
+
+def truncated(proposal: Proposal, keep: Tensor) -> Proposal:
+    """A chain proposal cut to its longest row's `keep` [B] nodes (rows past their own keep are
+    the caller's to mask out): a shorter verify forward when every row stopped early."""
+    n = int(keep.max()) if keep.numel() else 0
+    if n == proposal.tokens.shape[1]:
+        return proposal
+    return replace(
+        proposal,
+        tokens=proposal.tokens[:, :n],
+        q=proposal.q[:, :n],
+        confidence=proposal.confidence[:, :n],
+        dists=None if proposal.dists is None else proposal.dists[:n],
+    )
 
 
 class Proposer(Protocol):

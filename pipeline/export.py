@@ -321,6 +321,7 @@ def export_drafter(
         "format": fmt,
         "path": str(path),
         "max_logit_diff": diff,
+        "num_speculative_tokens": drafter.served_tokens(k),
         "vllm_command": vllm_command(
             _serve_dir(loader), path, drafter.served_tokens(k), drafter.serve_method
         ),

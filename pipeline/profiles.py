@@ -13,7 +13,13 @@ from typing import Any
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
-from pipeline.core.config import DrafterConfig, DraftTree, StrictConfig, optional_field
+from pipeline.core.config import (
+    DrafterConfig,
+    DraftTree,
+    StopConfidence,
+    StrictConfig,
+    optional_field,
+)
 from pipeline.core.targets import TargetConfig
 from pipeline.stages import STAGES
 from storage import OpdError
@@ -36,6 +42,11 @@ class DraftingConfig(StrictConfig):
         "Decode on EAGLE-2 dynamic draft trees instead of K-chains in evaluate and rollout (and "
         "replay tree.depth tokens in score); off by default, so chain datasets keep their versions"
     )
+    stop_confidence: StopConfidence | None = optional_field(
+        "End a chain's drafting once the drafter's joint confidence in its drafts falls below "
+        "this (fewer drafter forwards, a shorter verify; lossless) in rollout and evaluate; "
+        "unset: always K drafts, so datasets made without it keep their versions"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DraftingConfig:
@@ -43,6 +54,11 @@ class DraftingConfig(StrictConfig):
             raise ValueError(
                 f"drafting.ttt_steps ({self.ttt_steps}) must be >= drafting.k ({self.k}): "
                 "SFT must train every position the drafter serves"
+            )
+        if self.tree is not None and self.stop_confidence is not None:
+            raise ValueError(
+                "drafting.stop_confidence stops chains; a tree stops expanding at "
+                "drafting.tree.min_confidence: set that one instead"
             )
         if self.tree is not None and self.ttt_steps < self.tree.depth:
             raise ValueError(

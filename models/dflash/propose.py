@@ -100,4 +100,6 @@ class DFlashProposer:
             forwards=1,
             dists=dists,
             vocab_map=self.to_target,
+            # one forward drafts every slot: a confidence stop reads each slot on its own
+            joint_confidence=False,
         )

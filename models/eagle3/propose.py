@@ -23,7 +23,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.drafter import CommittedRows, Proposal, Replayed, Shape, TreeShape
+from models.drafter import (
+    ChainShape,
+    CommittedRows,
+    Proposal,
+    Replayed,
+    Shape,
+    TreeShape,
+    confident_length,
+)
 from models.eagle3.model import Eagle3Model
 from models.kv import KVCache, extend_mask, trim_slots
 
@@ -100,15 +108,26 @@ class Eagle3Proposer:
             draft_id, q, q_tok[:, i], confidence[:, i] = _draft(logits, self.temperature, self.gen)
             drafts[:, i] = self.to_target[draft_id]
             dists.append(q)
+            if self._all_stopped(confidence[:, : i + 1]):
+                break
         self.cache.crop(committed)  # chain keys were speculative; the next step recomputes
+        n = len(dists)
         return Proposal(
-            tokens=drafts,
-            q=q_tok,
-            confidence=confidence,
-            forwards=k,
+            tokens=drafts[:, :n],
+            q=q_tok[:, :n],
+            confidence=confidence[:, :n],
+            forwards=n,
             dists=dists if self.temperature > 0 else None,
             vocab_map=self.to_target,
         )
+
+    def _all_stopped(self, confidence: Tensor) -> bool:
+        """Every row's stop rule already ended its chain: a further forward would go unverified
+        (the loop drops the drafts past each row's stop; see `ChainShape.stop_confidence`)."""
+        threshold = self.shape.stop_confidence if isinstance(self.shape, ChainShape) else 0.0
+        if threshold <= 0:
+            return False
+        return bool((confident_length(confidence, threshold) < confidence.shape[1]).all())
 
     def _tree(
         self, root_logits: Tensor, root_hidden: Tensor, root_pos: Tensor, depth: int

@@ -8,7 +8,7 @@ fields that cannot change the output (progress bars, log levels) are declared wi
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -47,6 +47,11 @@ def version_dict(cfg: BaseModel) -> dict[str, Any]:
             continue
         out[name] = _jsonable(value)
     return out
+
+
+StopConfidence = Annotated[float, Field(ge=0.0, lt=1.0)]
+"""A chain's stop threshold (models.drafter.ChainShape.stop_confidence): in [0, 1), since a
+joint probability never exceeds 1 and a threshold of 1 would propose nothing."""
 
 
 class DraftTree(StrictConfig):

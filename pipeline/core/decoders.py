@@ -9,9 +9,18 @@ from pipeline.core.config import DraftTree
 from storage import OpdError
 
 
-def decoder(k: int, tree: DraftTree | None, temperature: float, max_new_tokens: int, seed: int):
-    """decode(target, drafter, prompts) -> SpecResult: K-chains, or draft trees when `tree` is set."""
-    shape = ChainShape(k) if tree is None else TreeShape(**tree.model_dump())
+def decoder(
+    k: int,
+    tree: DraftTree | None,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    stop_confidence: float | None = None,
+):
+    """decode(target, drafter, prompts) -> SpecResult: K-chains (confidence-stopped when
+    `stop_confidence` is set), or draft trees when `tree` is set."""
+    chain = ChainShape(k, stop_confidence or 0.0)
+    shape = chain if tree is None else TreeShape(**tree.model_dump())
     spec = SpecConfig(shape, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     return lambda target, drafter, prompts: speculative_generate(target, drafter, prompts, spec)
 

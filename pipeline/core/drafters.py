@@ -82,3 +82,36 @@ def write_drafter_dataset(
     output.write_parquet(METRICS_FILE, pa.Table.from_pylist(metrics, schema=schema))
     output.write_bytes(SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True).encode())
     return summary
+
+
+def trained_depth(ds: Dataset) -> int | None:
+    """The deepest draft offset the drafter in `ds` was trained at: SFT's `ttt_steps` (its
+    training-time-test unroll), Draft-OPD's replay depth, the deepest along the drafter's
+    lineage; None when no dataset of the lineage records one (or it is not in this store)."""
+    depths = []
+    if ds.ref.name == "sft":
+        depths.append(ds.config.get("stage", {}).get("ttt_steps"))
+    elif "replays" in ds.inputs:
+        try:
+            depths.append(ds.store.open(ds.inputs["replays"]).config.get("stage", {}).get("k"))
+        except OpdError:
+            pass
+    if "drafter" in ds.inputs:
+        try:
+            depths.append(trained_depth(ds.store.open(ds.inputs["drafter"])))
+        except OpdError:
+            pass
+    known = [d for d in depths if isinstance(d, int)]
+    return max(known) if known else None
+
+
+def check_drafting_depth(ds: Dataset, depth: int) -> None:
+    """Refuse, before any work, to draft deeper than the drafter was trained: the offsets past
+    its training are drafts from inputs it never learned on, accepted rarely and paid for."""
+    trained = trained_depth(ds)
+    if trained is not None and depth > trained:
+        raise OpdError(
+            f"drafting depth {depth} exceeds the {trained} steps {ds.ref} was trained to draft "
+            f"(sft.ttt_steps): lower drafting.k (or drafting.tree.depth) to at most {trained}, "
+            "or train a drafter with a larger drafting.ttt_steps"
+        )

@@ -49,9 +49,15 @@ from models.decoding import (
     depth_alpha,
     target_generate,
 )
-from pipeline.core.config import DraftTree, StrictConfig, optional_field, runtime_field
+from pipeline.core.config import (
+    DraftTree,
+    StopConfidence,
+    StrictConfig,
+    optional_field,
+    runtime_field,
+)
 from pipeline.core.decoders import check_tree_setting, decoder
-from pipeline.core.drafters import load_drafter_dataset
+from pipeline.core.drafters import check_drafting_depth, load_drafter_dataset
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
 from pipeline.core.targets import resolve_dtype
@@ -66,6 +72,9 @@ class Config(StrictConfig):
     k: int = Field(6, ge=1)
     """Drafted tokens per verify step; set through `drafting.k`."""
     tree: DraftTree | None = optional_field("decode on draft trees; set through `drafting.tree`")
+    stop_confidence: StopConfidence | None = optional_field(
+        "stop a chain's drafting below this joint confidence: `drafting.stop_confidence`"
+    )
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(1, ge=1)
@@ -144,7 +153,9 @@ def evaluate(
     """Run both decoders over `prompts` (prompts `first`.. of the evaluation) in batches."""
     from tqdm import tqdm
 
-    decode = decoder(cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, cfg.seed)
+    decode = decoder(
+        cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, cfg.seed, cfg.stop_confidence
+    )
     records: dict[str, list] = {}
     steps: dict[str, list] = {}
     out = Decoded(pl.DataFrame(), pl.DataFrame())
@@ -207,6 +218,7 @@ def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
         "tau": tau,
         "alpha": alpha,
         "k": cfg.k,
+        **({"stop_confidence": cfg.stop_confidence} if cfg.stop_confidence is not None else {}),
         **({"tree": cfg.tree.model_dump()} if cfg.tree else {}),
         "temperature": cfg.temperature,
         "prompts": prompts,
@@ -343,6 +355,7 @@ def run(
             "speculative_token_tree, not EAGLE-2's dynamic trees (README: draft trees); "
             "evaluate trees with backend=hf"
         )
+    check_drafting_depth(inputs["drafter"], cfg.k if cfg.tree is None else cfg.tree.depth)
     target = ctx.target_loader.target
     drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity)
     if cfg.backend == "vllm" and (served := drafter.served_tokens(cfg.k)) != cfg.k:
@@ -402,6 +415,6 @@ STAGE = Stage(
     doc="speculative decoding on held-out prompts: tau, per-position acceptance, speed-up",
     inputs={"prompts": ("prompts",), "drafter": DRAFTER_DATASETS},
     default_inputs={"drafter": "sft@latest"},
-    drafting={"k": "k", "tree": "tree"},
+    drafting={"k": "k", "tree": "tree", "stop_confidence": "stop_confidence"},
     sharded=True,
 )

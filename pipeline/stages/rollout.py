@@ -60,9 +60,9 @@ from models.decoding import depth_alpha
 from models.drafter import Drafter
 from models.target import Target
 from pipeline.core.checks import VOCAB_FILE
-from pipeline.core.config import DraftTree, StrictConfig, optional_field
+from pipeline.core.config import DraftTree, StopConfidence, StrictConfig, optional_field
 from pipeline.core.decoders import check_tree_setting, decoder
-from pipeline.core.drafters import load_drafter_dataset
+from pipeline.core.drafters import check_drafting_depth, load_drafter_dataset
 from pipeline.core.featurize import feature_schema, forward_batch
 from pipeline.core.prompt_sets import select_prompts
 from pipeline.core.rollouts import shard_files
@@ -140,6 +140,9 @@ class Config(StrictConfig):
     k: int = Field(6, ge=1)
     """Drafted tokens per verify step; set through `drafting.k` (the K it will serve with)."""
     tree: DraftTree | None = optional_field("decode on draft trees; set through `drafting.tree`")
+    stop_confidence: StopConfidence | None = optional_field(
+        "stop a chain's drafting below this joint confidence: `drafting.stop_confidence`"
+    )
     temperature: float = Field(0.0, ge=0.0)
     """Decoding temperature (0 = greedy); verify at the temperature the drafter will serve at."""
     max_new_tokens: int = Field(128, ge=1)
@@ -187,7 +190,9 @@ def rollout_shard(
     for b in range(0, len(order), cfg.batch_size):
         idx = order[b : b + cfg.batch_size]
         seed = cfg.seed * 1_000_003 + shard * 1_009 + b
-        decode = decoder(cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, seed)
+        decode = decoder(
+            cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, seed, cfg.stop_confidence
+        )
         res = decode(target, drafter, [list(chunk[j]["prompt_ids"]) for j in idx])
         for j, seq, why in zip(idx, res.sequences, res.finish_reasons, strict=True):
             generated[j], reasons[j] = seq, why
@@ -392,6 +397,7 @@ def run(
     target = ctx.target_loader.target
     identity = ctx.target_loader.identity
     check_tree_setting(target, cfg.tree, [p["prompt_ids"] for p in prompts], cfg.max_new_tokens)
+    check_drafting_depth(drafter_ds, cfg.k if cfg.tree is None else cfg.tree.depth)
     drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
     seq_ids = _seq_ids(prompts)
     if rank == 0 and not output.has_shard(VOCAB_FILE):
@@ -447,5 +453,5 @@ STAGE = Stage(
     default_inputs={"drafter": "sft@latest"},
     sharded=True,
     per_round=True,
-    drafting={"k": "k", "tree": "tree"},
+    drafting={"k": "k", "tree": "tree", "stop_confidence": "stop_confidence"},
 )

@@ -1,0 +1,89 @@
+"""The draft-length cost model's arithmetic (models/draft_length.py), on hand-made steps."""
+
+import random
+
+import pytest
+
+from models.draft_length import (
+    LoggedStep,
+    Prediction,
+    StepCosts,
+    predict,
+    ranked,
+    replay_step,
+    steps_from_log,
+    sweep,
+    tau_from_alpha,
+)
+
+COSTS = StepCosts(verify_s={1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0}, drafter_s=0.2, overhead_s=0.1)
+
+
+def test_tau_from_alpha():
+    assert tau_from_alpha([0.5, 0.5, 1.0], 2) == pytest.approx(1.75)
+    assert tau_from_alpha([0.5, 0.5, 1.0], 3) == pytest.approx(2.0)
+    assert tau_from_alpha([0.9], 0) == 1.0
+
+
+def test_replay_step_under_k_and_threshold():
+    step = LoggedStep(accepted=2, confidence=(0.9, 0.5, 0.9))  # joint 0.9, 0.45, 0.405
+    assert replay_step(step, 3, 0.0) == (3, 3, 2)
+    assert replay_step(step, 1, 0.0) == (1, 1, 1)  # a shorter chain accepts at most K
+    assert replay_step(step, 3, 0.4) == (3, 3, 2)
+    # stops after two: the forward that drafted the third (below) is paid, its draft dropped
+    assert replay_step(step, 3, 0.42) == (2, 3, 2)
+    assert replay_step(step, 3, 0.95) == (0, 1, 0)
+    # near max_new_tokens a step's budget cut the chain: K cannot draft past it
+    assert replay_step(LoggedStep(1, (0.9,)), 3, 0.0) == (1, 1, 1)
+    assert replay_step(LoggedStep(0, ()), 3, 0.5) == (0, 0, 0)
+
+
+def test_predict_adds_steps_and_prefills():
+    steps = [LoggedStep(2, (0.9, 0.5, 0.9)), LoggedStep(0, (0.3, 0.9, 0.9))]
+    p = predict(steps, COSTS, 2)
+    # each step: verify(3) + 2 drafter forwards + overhead = 2.5 s; emitted 3 and 1
+    assert (p.tau, p.drafts_per_step, p.drafter_forwards_per_step) == (2.0, 2.0, 2.0)
+    assert p.tokens_per_s == pytest.approx(4 / 5.0)
+    costs = StepCosts(COSTS.verify_s, COSTS.drafter_s, COSTS.overhead_s, prefill_s=1.0)
+    with_prefill = predict(steps, costs, 2, prompts=1)
+    assert with_prefill.tau == 2.0 and with_prefill.tokens_per_s == pytest.approx(5 / 6.0)
+    # threshold 0.35: the second step stops before its first draft (verify(1) + 1 forward)
+    stopped = predict(steps, COSTS, 2, threshold=0.35)
+    assert stopped.drafts_per_step == 1.0 and stopped.drafter_forwards_per_step == 1.5
+    assert stopped.tokens_per_s == pytest.approx(4 / (2.5 + 1.0 + 0.2 + 0.1))
+
+
+def test_unstopped_tau_is_the_alpha_product():
+    """With no threshold, mean(min(accepted, K) + 1) over the steps is 1 + sum prod alpha."""
+    rng = random.Random(0)
+    steps = [LoggedStep(rng.choice([0, 0, 1, 2, 3, 4]), (0.5,) * 4) for _ in range(200)]
+    acc = [s.accepted for s in steps]
+    alpha = [sum(a >= d for a in acc) / max(1, sum(a >= d - 1 for a in acc)) for d in range(1, 5)]
+    for k in range(1, 5):
+        assert predict(steps, COSTS, k).tau == pytest.approx(tau_from_alpha(alpha, k))
+
+
+def test_steps_from_log_orders_drafts_by_offset():
+    records = {
+        "sequence": [0, 0, 0, 1],
+        "step": [0, 0, 1, 0],
+        "offset": [2, 1, 1, 1],
+        "confidence": [0.4, 0.8, 0.7, 0.6],
+    }
+    steps = {"sequence": [0, 0, 1, 1], "step": [0, 1, 0, 1], "accepted": [1, 0, 1, 0]}
+    assert steps_from_log(records, steps) == [
+        LoggedStep(1, (0.8, 0.4)),
+        LoggedStep(0, (0.7,)),
+        LoggedStep(1, (0.6,)),
+        LoggedStep(0, ()),  # a step with no drafts (its budget was 0)
+    ]
+
+
+def test_sweep_and_ranking():
+    steps = [LoggedStep(2, (0.9, 0.5, 0.9)), LoggedStep(0, (0.3, 0.9, 0.9))]
+    preds = sweep(steps, COSTS, range(1, 4), (0.0, 0.35))
+    assert [(p.k, p.threshold) for p in preds][:3] == [(1, 0.0), (1, 0.35), (2, 0.0)]
+    top = ranked(preds)[0]
+    assert top.tokens_per_s == max(p.tokens_per_s for p in preds)
+    tie = [Prediction(3, 0.1, 1, 1, 1, 5.0), Prediction(2, 0.2, 1, 1, 1, 5.0)]
+    assert ranked(tie)[0].k == 2

@@ -1,0 +1,52 @@
+"""`opd tune`'s recording and the K `opd export` serves with (pipeline/core/tuning.py), on the tiny
+profile: correctness of what is recorded and read back, never its timings."""
+
+import json
+
+import polars as pl
+
+from models.draft_length import TuneOptions
+from pipeline.core.runner import run_stage
+from pipeline.core.tuning import heldout_prompts, run_tune, serving_k, trained_k, tune_file
+from pipeline.stages import features, generate, sft
+
+
+def test_tune_records_a_fixed_k_and_export_serves_it(tiny):
+    store, ctx, cfg, prompts_ds = tiny
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts_ds}, ctx).dataset
+    feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
+    drafter = run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
+    assert trained_k(drafter) == cfg.drafting.k == 3
+
+    # nothing tuned yet: the drafter's trained K, and why
+    k, source = serving_k(drafter, 0.0, trained_k(drafter))
+    assert k == 3 and "no `opd tune` result at T=0.0" in source
+
+    prompts = heldout_prompts(prompts_ds, "heldout", 2)
+    opts = TuneOptions(6, thresholds=(0.0, 0.5), verify_reps=1, candidates=2)
+    result = run_tune(drafter, prompts, ctx.target_loader, 0.0, cfg.drafting.k, opts)
+    measured = result["measured"]
+    assert {"plain", "default", "best", "candidate_2", "calibration"} <= set(measured)
+    assert measured["default"]["setting"] == {"k": 3, "threshold": 0.0}
+    for name in ("default", "best", "candidate_2"):
+        assert measured[name]["lossless"] is True  # T=0: every setting decodes plain greedy
+    assert len(result["sweep"]) == 3 * 2  # K = 1..3 (the trained depth) x two thresholds
+    serve = result["serve"]
+    no_stop = [
+        n for n in ("default", "best", "candidate_2") if not measured[n]["setting"]["threshold"]
+    ]
+    fastest = max(no_stop, key=lambda n: measured[n]["tokens_per_s"])
+    assert serve["k"] == measured[fastest]["setting"]["k"] and serve["prompts"] == 2
+
+    recorded = json.loads(tune_file(drafter).read_text())
+    assert set(recorded) == {"T=0.0"}
+    k, source = serving_k(drafter, 0.0, 3)
+    assert k == serve["k"] and "measured by `opd tune` on this machine at T=0.0" in source
+    k, source = serving_k(drafter, 1.0, 3)  # another serving temperature was not tuned
+    assert k == 3 and "trained K" in source
+
+
+def test_heldout_prompts_are_evaluates(tiny):
+    _, _, _, prompts_ds = tiny
+    rows = prompts_ds.scan().filter(pl.col("split") == "heldout").collect()["prompt_ids"]
+    assert heldout_prompts(prompts_ds, "heldout", 3) == rows.to_list()[:3]
