@@ -214,7 +214,7 @@ def main() -> None:
                 headline[f"drafter_share_{kind}_t{t}"] = s[kind]["drafter_share"]
     report = {
         **headline,
-        "benchmark": "decode",
+        "benchmark": "drafters",
         "root": root,
         "profile": args.profile,
         "drafter": drafter_ref,
