@@ -49,6 +49,7 @@ class DFlashDrafter(DFlashModel, Drafter):
     kind = "dflash"
     export_formats = ("dflash",)
     serve_method = "dflash"
+    drafts_blocks = True
 
     @classmethod
     def max_draft_depth(cls, settings: Mapping[str, Any]) -> int | None:

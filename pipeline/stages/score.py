@@ -64,12 +64,13 @@ from models.drafter import Drafter
 from models.target import Target
 from pipeline.core.checks import (
     VOCAB_FILE,
+    check_drafter_kind,
     check_drafter_vocab,
     check_made_by,
     check_same_target,
 )
 from pipeline.core.config import DraftTree, StrictConfig, optional_field
-from pipeline.core.drafters import load_drafter_dataset
+from pipeline.core.drafters import drafter_kind, load_drafter_dataset
 from pipeline.core.rollouts import shard_files
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
@@ -314,9 +315,11 @@ def summarize(output: DatasetWriter, cfg: Config) -> dict[str, Any]:
 
 
 def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> None:
-    """The rollouts come from this target and from the drafter that replays them."""
-    check_same_target(inputs["rollouts"], ctx.target_loader.identity)
-    check_made_by(inputs["rollouts"], inputs["drafter"])
+    """The rollouts come from this target and from the drafter (and kind) that replays them."""
+    rollouts, drafter = inputs["rollouts"], inputs["drafter"]
+    check_same_target(rollouts, ctx.target_loader.identity)
+    check_drafter_kind(rollouts, drafter_kind(drafter), str(drafter.ref))
+    check_made_by(rollouts, drafter)
 
 
 def run(
@@ -367,6 +370,7 @@ def run(
         "rollouts": str(rollouts.ref),
         "drafter": str(drafter_ds.ref),
         "rollout_drafter": rollouts.meta.get("drafter"),
+        "drafter_kind": drafter.kind,
         "target": identity,
     }
 
