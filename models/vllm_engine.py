@@ -350,6 +350,7 @@ def measure_speculation(
     k: int,
     prompts: Sequence[Sequence[int]],
     *,
+    method: str = "eagle3",
     max_new_tokens: int,
     temperature: float,
     seed: int,
@@ -362,7 +363,7 @@ def measure_speculation(
     per position and, at T=0, `vllm_lossless` (share of prompts whose speculative output equals
     the same engine without a drafter) and `vllm_matches_project` (share equal to `reference`).
     """
-    spec = EngineSpec(target.model, target.dtype, drafter_dir, k, target.seed)
+    spec = EngineSpec(target.model, target.dtype, drafter_dir, k, target.seed, method)
     with running(spec):
         outs, spent = speculate(
             spec,

@@ -234,6 +234,7 @@ TAU_VLLM_TOLERANCE = 0.10
 def vllm_stats(
     cfg: Config,
     drafter: Dataset,
+    method: str,
     ctx: RunContext,
     prompts: list[list[int]],
     sequences: list[list[int]],
@@ -254,6 +255,7 @@ def vllm_stats(
             str(ensure_export(drafter, loader, ctx.store.root, cfg.k)),
             cfg.k,
             prompts,
+            method=method,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             seed=cfg.seed,
@@ -343,6 +345,12 @@ def run(
         )
     target = ctx.target_loader.target
     drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity)
+    if cfg.backend == "vllm" and (served := drafter.served_tokens(cfg.k)) != cfg.k:
+        raise OpdError(
+            f"vLLM serves this {drafter.kind} drafter with {served} drafted tokens per step, not "
+            f"drafting.k={cfg.k}: set drafting.k={served} (or --k {served}) so both decoders "
+            "draft the same"
+        )
     prompts = _prompt_ids(inputs["prompts"], cfg)
     check_tree_setting(target, cfg.tree, prompts, cfg.max_new_tokens)
     if world_size == 1:
@@ -363,7 +371,9 @@ def run(
     out = merged["trained"]
     stats = summarize(out, cfg, len(prompts))
     if cfg.backend == "vllm":
-        stats |= vllm_stats(cfg, inputs["drafter"], ctx, prompts, out.sequences, stats["tau"])
+        stats |= vllm_stats(
+            cfg, inputs["drafter"], drafter.serve_method, ctx, prompts, out.sequences, stats["tau"]
+        )
     if cfg.untrained_contrast:
         quick = cfg.model_copy(update={"measure_baseline": False})
         base = summarize(merged["untrained"], quick, len(prompts))

@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from click.testing import CliRunner
 
-from models import vllm_engine
-from models.decoding import SpecConfig, speculative_generate
-from models.dflash.export import export_dflash
-from models.drafter import ChainShape
-from models.drafters import load_drafter
+from cli.main import cli
 from pipeline.core.runner import run_stage
 from pipeline.profiles import load_config
 from pipeline.stages import features, sft
+from storage import Dataset
 from tests.vllm.conftest import SETS, UNAVAILABLE, Embedded, K
 
 pytestmark = [
@@ -25,34 +23,38 @@ pytestmark = [
 ]
 
 
-def test_a_dflash_export_speculates_losslessly_in_vllm(embedded: Embedded, generated, tmp_path):
+@pytest.fixture(scope="module")
+def dflash_sft(embedded: Embedded, generated) -> Dataset:
     # a block of K+1: vLLM feeds [bonus, K mask tokens], the block the drafter was trained on
     cfg = load_config(
         "default", None, [*SETS, "drafter.kind=dflash", f"drafter.block_size={K + 1}"]
     )
     ctx = embedded.ctx
     feats = run_stage(features.STAGE, cfg.features, {"trajectories": generated}, ctx).dataset
-    ds = run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
-    target = embedded.target
-    drafter = load_drafter(ds.path, target.embed_weight, kind="dflash").eval()
-    out = export_dflash(drafter, tmp_path / "dflash")
+    return run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
 
-    prompts = embedded.heldout()
-    n = cfg.evaluate.max_new_tokens
-    ours = speculative_generate(
-        target, drafter, prompts, SpecConfig(ChainShape(K), max_new_tokens=n)
-    ).stats["tau"]
-    plain = embedded.plain
-    spec = vllm_engine.EngineSpec(plain.model, plain.dtype, str(out), K, method="dflash")
-    with vllm_engine.running(spec):
-        outs, spent = vllm_engine.speculate(
-            spec, prompts, max_new_tokens=n, stop_ids=target.eos_token_ids
-        )
-    reference = vllm_engine.generate(
-        plain, prompts, max_new_tokens=n, stop_ids=target.eos_token_ids
-    )
-    same = sum(a == list(b) for a, (b, _) in zip(outs, reference, strict=True))
-    print(json.dumps({"tau_project": ours, "tau_vllm": spent.tau, "identical": same}))
-    assert same == len(prompts)
-    assert spent.drafts > 0 and ours > 1.2
-    assert abs(spent.tau - ours) <= 0.1 * ours
+
+def _eval(embedded: Embedded, drafter: Dataset, *args: str):
+    sets = [a for s in SETS for a in ("--set", s)]
+    cmd = ["--root", str(embedded.store.root), "eval", "--drafter", str(drafter.ref)]
+    return CliRunner().invoke(cli, [*cmd, *args, "--backend", "vllm", *sets])
+
+
+def test_a_dflash_export_speculates_losslessly_in_vllm(embedded: Embedded, dflash_sft):
+    # `opd eval --backend vllm`'s path: export (dflash format, checksummed), engine, counters
+    res = _eval(embedded, dflash_sft, "--k", str(K), "--temperature", "0", "--json")
+    assert res.exit_code == 0, res.output
+    stats = json.loads(res.stdout)
+    keys = ("tau", "tau_vllm", "vllm_lossless", "vllm_matches_project")
+    print(json.dumps({k: stats[k] for k in keys}))
+    assert stats["vllm_lossless"] == 1.0  # vLLM's speculative output equals its plain greedy
+    assert stats["vllm_matches_project"] >= 0.9
+    assert stats["vllm_drafts"] > 0 and stats["tau"] > 1.2
+    assert abs(stats["tau_vllm"] / stats["tau"] - 1) <= 0.10
+
+
+def test_eval_in_vllm_with_another_k_than_the_block_is_one_line(embedded: Embedded, dflash_sft):
+    res = _eval(embedded, dflash_sft, "--k", "2")
+    assert res.exit_code == 2
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith(f"error: vLLM serves this dflash drafter with {K} drafted tokens"), last
