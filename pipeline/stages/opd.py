@@ -18,11 +18,15 @@ Rows are independent after step 0 (a chain sees step-0 keys of rows <= e-2, all 
 and its own chain keys), so anchors of one sequence train together. The target contributes only
 the loss: teacher p_k = softmax(lm_head(teacher_hidden_k) / T) on the draft vocab, recomputed
 exactly through the frozen head from the replay's post-norm hidden states.
+A block drafter (DFlash, `Drafter.drafts_blocks`) reads no draft: each replay is the block at
+position e-1, an extra block of the sequence's one training forward (models/dflash/train.py).
 
 Losses (`loss`): "draft_opd" (forward KL on accepted proposals + gamma^k-decayed reverse KL on
-rejected ones), "reverse_kl_k1" / "reverse_kl_k3" (sampled reverse KL on the replayed tokens,
-score-function gradient), "tv" (1 - alpha) and "expected_length" (maximise sum_k prod_{i<=k}
-alpha_i along the replayed path). At a replay temperature > 0 a proposal's acceptance is drawn
+rejected ones; for a block drafter its block form, `models.losses.block_opd_loss`),
+"reverse_kl_k1" / "reverse_kl_k3" (sampled reverse KL on the replayed tokens, score-function
+gradient), "tv" (1 - alpha) and "expected_length" (maximise sum_k prod_{i<=k} alpha_i along the
+replayed path). A block drafter refuses, before any work, those that do not apply to blocks
+(`models.losses.block_loss_error`). At a replay temperature > 0 a proposal's acceptance is drawn
 from its recorded accept probability with a seeded generator, so a resumed run draws the same.
 
 `ce_lambda` > 0 adds lambda x the EAGLE-3 TTT soft-CE: on batches of the `features` input when

@@ -26,7 +26,8 @@ exactly as the decoder would: row e-2 reads the rollout's target feature f_{e-2}
 then K-1 chain steps read only the drafter's own hidden states and tokens. All anchors and
 samples of a sequence share ONE drafter pass over the prefix rows; their chains advance
 together, one batched forward per step, each seeing the prefix rows <= e-2 and its own chain
-keys through the attention mask (`Drafter.replay`). Then the target scores
+keys through the attention mask (`Drafter.replay`); a DFlash drafter drafts every anchor's
+block (at position e-1, over the context before it) in one forward. Then the target scores
 every replayed token of the sequence in ONE tree-masked forward (`Target.score_tree`: the
 sequence once plus E x n x K branch tokens), instead of one full-prefix forward per anchor.
 
