@@ -68,6 +68,17 @@ def _command_line(store: Store, args: list[str]) -> str:
     return shlex.join(["opd", "--root", str(store.root), "experiment", *args])
 
 
+def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
+    """`sets` with drafter.kind=KIND (EAGLE-3, the default, adds nothing, so its versions and
+    quoted command stay what they were); refuses a --set that names another kind."""
+    given = [s.split("=", 1)[1] for s in sets if s.split("=", 1)[0].strip() == "drafter.kind"]
+    if any(g != kind for g in given):
+        raise click.UsageError(
+            f"--drafter-kind {kind} but --set drafter.kind={given[0]}: name the kind once"
+        )
+    return sets if kind == "eagle3" or given else (*sets, f"drafter.kind={kind}")
+
+
 @experiment_group.command("opd-vs-sft")
 @_experiment_options
 @click.option(
@@ -92,6 +103,13 @@ def _command_line(store: Store, args: list[str]) -> str:
     help="Budget per arm as a share of the SFT warm-up's row-steps.",
 )
 @click.option(
+    "--drafter-kind",
+    type=click.Choice(["eagle3", "dflash"]),
+    default="eagle3",
+    show_default=True,
+    help="The student every arm trains: EAGLE-3 chains or DFlash blocks (drafter.kind).",
+)
+@click.option(
     "--sft-data-temperature",
     type=float,
     default=None,
@@ -107,6 +125,7 @@ def opd_vs_sft_cmd(
     first_seed: int | None,
     budget: int | None,
     budget_ratio: float,
+    drafter_kind: str,
     sft_data_temperature: float | None,
     prompts_ref: str | None,
     as_json: bool,
@@ -119,6 +138,7 @@ def opd_vs_sft_cmd(
     """
     from pipeline.experiments import opd_vs_sft
 
+    sets = _with_drafter_kind(sets, drafter_kind)
     cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-opd-vs-sft")
     args = ["opd-vs-sft", "--profile", profile, *(f"--set={s}" for s in sets)]
     args += ["--seeds", str(seeds)]

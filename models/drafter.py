@@ -169,6 +169,9 @@ class Drafter(nn.Module, ABC):
     kind: ClassVar[str]
     export_formats: ClassVar[tuple[str, ...]]  # the first is the default
     serve_method: ClassVar[str]  # vLLM's `--speculative-config` "method" for this kind
+    drafts_blocks: ClassVar[bool] = False
+    """Whether a drafted token's distribution ignores the drafts before it (one block per
+    forward): Draft-OPD then takes its block form (`models.losses.block_opd_loss`)."""
     config: Any  # the kind's frozen config dataclass (`to_dict()` / `from_dict()`)
 
     # -- building -------------------------------------------------------------------------

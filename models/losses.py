@@ -228,6 +228,45 @@ def draft_opd_loss(
     return total / max(int(mask.sum()), 1)
 
 
+def block_opd_loss(
+    draft_logits: Tensor,
+    teacher_probs: Tensor,
+    accepted: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float = 0.8,
+    lambda_accept: float = 1.0,
+    lambda_reject: float = 1.0,
+) -> Tensor:
+    """Draft-OPD on a replayed block whose slots do not read the drafts before them (DFlash).
+
+    Shapes and teacher as `draft_opd_loss`. Verification walks the block left to right: the
+    accepted slots and the boundary (the first rejected slot) are on the target's path, so
+    their teacher (conditioned on the drafted prefix, all accepted) is the distribution the slot
+    must match: forward KL there. The boundary and every slot after it are rejected proposals:
+    gamma^k-decayed reverse KL pushes q's mass off what p does not want. Unlike a chain, a slot
+    after the boundary never saw the rejected draft its teacher read, so it gets no forward KL
+    even where its own token happened to be acceptable. The teacher carries no gradient. One
+    mean over all masked-in slots, as `draft_opd_loss`.
+    """
+    _check_mask(accepted, mask.shape, "accepted")
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [B, K, Vd], got {tuple(draft_logits.shape)}")
+    K = draft_logits.shape[1]
+    teacher = teacher_probs.detach()
+    all_before = torch.cumprod(accepted.long(), dim=1).bool()  # [B, K] slots 0..k all accepted
+    on_path = torch.cat([torch.ones_like(accepted[:, :1]), all_before[:, :-1]], dim=1)  # [B, K]
+    rejected = ~all_before  # [B, K] the boundary and every slot after it
+    weights = gamma ** torch.arange(K, device=draft_logits.device, dtype=torch.float32)
+    weights = weights.expand(mask.shape)  # [B, K]
+    fkl_rows = _forward_kl_rows(*_rows(mask & on_path, draft_logits, teacher))
+    rkl_rows = _reverse_kl_rows(*_rows(mask & rejected, draft_logits, teacher))
+    total = (
+        lambda_accept * fkl_rows.sum() + lambda_reject * (weights[mask & rejected] * rkl_rows).sum()
+    )
+    return total / max(int(mask.sum()), 1)
+
+
 def expected_accepted_length(alphas: Tensor, mask: Tensor | None = None) -> Tensor:
     """sum_k prod_{i<=k} alpha_i per row [B] for alphas [B, K]; maximise it (loss = -mean).
 
@@ -349,17 +388,20 @@ def replay_loss(
     gamma: float = 0.8,
     lambda_accept: float = 1.0,
     lambda_reject: float = 1.0,
+    blocks: bool = False,
 ) -> Tensor:
     """The Draft-OPD objective on replayed blocks.
 
     logits [N, K, Vd]: the drafter along each replay; target_logits [N, K, V]: the target's
     logits at the state predicting each replayed token; tokens [N, K]: the replayed target ids
-    (drafted, so inside the draft vocab); accepted, mask [N, K] bool.
+    (drafted, so inside the draft vocab); accepted, mask [N, K] bool. `blocks`: the drafter's
+    slots do not read earlier drafts (`Drafter.drafts_blocks`): draft_opd is then its block
+    form (`block_opd_loss`); callers refuse what `block_loss_error` names before any work.
     """
     scaled = logits / temperature
     if loss == "draft_opd":
         teacher = teacher_draft_probs(target_logits, vocab, temperature)
-        return draft_opd_loss(
+        return (block_opd_loss if blocks else draft_opd_loss)(
             scaled,
             teacher,
             accepted,
@@ -383,3 +425,20 @@ def replay_loss(
     if loss == "expected_length":
         return -expected_accepted_length(acceptance_rate(q, p_full), mask).mean()
     raise ValueError(f"unknown loss {loss!r}")
+
+
+def block_loss_error(loss: ReplayLoss, positions: str) -> str | None:
+    """Why `loss` over all replayed positions does not apply to a block drafter, or None.
+
+    tv and the sampled reverse KLs fit every slot to its teacher alike; after the first
+    rejection that teacher read a rejected draft which a block's slot never saw, so they would
+    pull the slot towards a distribution verification never tests it against. draft_opd (its
+    block form: only decayed reverse KL there) and expected_length (each slot weighted by the
+    chance verification reaches it) apply, as does any loss on the reached positions only."""
+    if positions == "reached" or loss in ("draft_opd", "expected_length"):
+        return None
+    return (
+        f"opd.loss={loss} over all replayed positions does not apply to a block drafter (a "
+        "slot after the first rejection never saw the draft its teacher read); use "
+        "opd.loss=draft_opd or expected_length, or opd.positions=reached"
+    )

@@ -26,11 +26,12 @@ from models.dflash.model import (
 )
 from models.dflash.propose import DFlashProposer
 from models.dflash.train import (
-    OPD_ISSUE,
     BlockUnroll,
     BlockUnrolls,
     block_acceptance,
+    block_replay_logits,
     block_unroll,
+    replay_blocks,
     sft_block_loss,
 )
 from models.drafter import Drafter, Proposer, Replayed, Shape
@@ -48,6 +49,7 @@ class DFlashDrafter(DFlashModel, Drafter):
     kind = "dflash"
     export_formats = ("dflash",)
     serve_method = "dflash"
+    drafts_blocks = True
 
     @classmethod
     def max_draft_depth(cls, settings: Mapping[str, Any]) -> int | None:
@@ -164,7 +166,9 @@ class DFlashDrafter(DFlashModel, Drafter):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
     ) -> Replayed:
-        raise NotImplementedError(OPD_ISSUE)
+        return replay_blocks(
+            self, aux_hidden, input_ids, anchors, k, temperature=temperature, generator=generator
+        )
 
     # -- training -------------------------------------------------------------------------
 
@@ -176,9 +180,7 @@ class DFlashDrafter(DFlashModel, Drafter):
         steps: int,
         replays: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> BlockUnroll:
-        if replays is not None:
-            raise NotImplementedError(OPD_ISSUE)
-        return block_unroll(self, aux_hidden, input_ids, loss_mask, steps)
+        return block_unroll(self, aux_hidden, input_ids, loss_mask, steps, replays)
 
     def training_module(self) -> nn.Module:
         return BlockUnrolls(self)
@@ -205,12 +207,13 @@ class DFlashDrafter(DFlashModel, Drafter):
         return block_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
 
     def replay_logits(self, out: BlockUnroll, item: Tensor, anchor: Tensor) -> Tensor:
-        raise NotImplementedError(OPD_ISSUE)
+        return block_replay_logits(out, anchor)
 
     def rollout_ce_loss(
         self, out: BlockUnroll, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
     ) -> Tensor:
-        raise NotImplementedError(OPD_ISSUE)
+        # The replays are blocks of their own: every teacher-forced block reads ground truth.
+        return sft_block_loss(out, teacher, decay)
 
     # -- serving --------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """DFlash's training forward: many anchors per cached sequence in one block-structured forward,
-its position-decayed loss and its teacher-forced acceptance.
+its position-decayed loss, its teacher-forced acceptance, and its replays (Draft-OPD).
 
 Anchor a (a sequence position, a >= 1) puts the block [x_a, m, ..., m] at positions a..a+B-1;
 its queries read the context features at positions < a and the block's own slots, never another
@@ -7,6 +7,13 @@ block (`models.dflash.model.block_attention`). Slot k (1 <= k <= K) drafts x_{a+
 is the target's distribution at position a+k-1. The block's drafts do not depend on the tokens
 drafted before them, so the teacher-forced acceptance of a block is exactly what greedy decoding
 from the same context would accept.
+
+Replays. A replay from anchor e (its first draft is y_e, drafted from the prefix y<e) is the
+block at anchor position e-1: [y_{e-1}, m, ..., m] over the context before e-1, exactly the
+proposer's block after committing y<e. Since no slot reads an earlier draft, the training
+forward along a replay is that block's forward: no replayed token enters the drafter, and the
+replay's tokens matter only to the loss (which slots the verifier accepted, and the target's
+distribution at each, which `score` computed conditioned on the drafted prefix).
 """
 
 from __future__ import annotations
@@ -18,10 +25,9 @@ from torch import Tensor, nn
 
 from models.acceptance import AcceptanceStats
 from models.dflash.model import DFlashModel
+from models.drafter import Replayed
 from models.losses import acceptance_rate, soft_cross_entropy, teacher_draft_probs
 from models.vocab import DraftVocab
-
-OPD_ISSUE = "Draft-OPD over DFlash is issue #28"
 
 
 @dataclass
@@ -31,6 +37,7 @@ class BlockUnroll:
     logits: Tensor  # [N, A, K, Vd] fp32: slot k+1 of each block
     anchors: Tensor  # [N, A] anchor positions
     valid: Tensor  # [N, A, K] bool: the slot's label exists and is trained on
+    replayed: Tensor | None = None  # [R, K, Vd] fp32: the block at each replay's anchor, in order
 
 
 def choose_anchors(loss_mask: Tensor, cap: int, *, sample: bool) -> tuple[Tensor, Tensor]:
@@ -48,15 +55,29 @@ def choose_anchors(loss_mask: Tensor, cap: int, *, sample: bool) -> tuple[Tensor
     return picked, eligible.gather(1, picked)
 
 
+def _replay_columns(item: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """Each replay's column among its batch row's replays (item [R] -> [R]) and, per row, how
+    many it has [N]: replays become extra blocks of their row in the one forward."""
+    counts = torch.bincount(item, minlength=rows)  # [N]
+    order = torch.argsort(item, stable=True)
+    starts = torch.cumsum(counts, 0) - counts  # [N]
+    column = torch.empty_like(item)
+    column[order] = torch.arange(len(item), device=item.device) - starts[item[order]]
+    return column, counts
+
+
 def block_unroll(
     drafter: DFlashModel,
     aux_hidden: Tensor,
     input_ids: Tensor,
     loss_mask: Tensor | None,
     steps: int,
+    replays: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> BlockUnroll:
     """The drafter over every anchor of a batch in one forward. aux_hidden [N, T, F] (features
-    at positions 0..T-1), input_ids [N, T], loss_mask [N, T] bool; `steps` = K slots trained."""
+    at positions 0..T-1), input_ids [N, T], loss_mask [N, T] bool; `steps` = K slots trained.
+    With replays (item [R], anchor e [R], tokens [R, K]) each replay's block (anchor position
+    e-1, module docstring) joins its row's blocks in the same forward: `replayed` [R, K, Vd]."""
     block = drafter.config.block_size
     if not 1 <= steps <= block - 1:
         raise ValueError(
@@ -67,14 +88,24 @@ def block_unroll(
     device = input_ids.device
     keep = loss_mask if loss_mask is not None else torch.ones(N, T, dtype=torch.bool, device=device)
     anchors, real = choose_anchors(keep, drafter.config.anchors, sample=drafter.training)
+    A = anchors.shape[1]
+    everything = anchors
+    if replays is not None:
+        item, anchor, _ = replays
+        column, counts = _replay_columns(item, N)
+        # Rows with fewer replays pad with anchor position 1 (a real block, never read).
+        extra = torch.ones(N, int(counts.max()), dtype=torch.long, device=device)  # [N, R']
+        extra[item, column] = anchor - 1
+        everything = torch.cat([anchors, extra], dim=1)  # [N, A + R']
     positions = torch.arange(T, device=device)
     context = drafter.context_kv(aux_hidden, positions.expand(N, T))  # per layer [N, kv, T, d]
-    visible = positions < anchors[..., None]  # [N, A, T] context strictly before the anchor
-    blocks = drafter.block_tokens(input_ids.gather(1, anchors))  # [N, A, B]
-    logits = drafter(blocks, anchors, context, visible)[:, :, 1 : 1 + steps]  # [N, A, K, Vd]
+    visible = positions < everything[..., None]  # [N, A', T] context strictly before the anchor
+    blocks = drafter.block_tokens(input_ids.gather(1, everything))  # [N, A', B]
+    logits = drafter(blocks, everything, context, visible)[:, :, 1 : 1 + steps]  # [N, A', K, Vd]
     label = anchors[..., None] + torch.arange(1, steps + 1, device=device)  # [N, A, K]
     trained = keep.gather(1, label.clamp(max=T - 1).view(N, -1)).view(label.shape)
-    return BlockUnroll(logits, anchors, real[..., None] & (label < T) & trained)
+    replayed = None if replays is None else logits[item, A + column]  # [R, K, Vd]
+    return BlockUnroll(logits[:, :A], anchors, real[..., None] & (label < T) & trained, replayed)
 
 
 def _at_slots(per_position: Tensor, anchors: Tensor, steps: int) -> Tensor:
@@ -141,9 +172,68 @@ class BlockUnrolls(nn.Module):
         self.drafter = drafter
 
     def forward(self, *unrolls: tuple) -> list[BlockUnroll]:
-        out = []
-        for aux, ids, mask, replays, steps in unrolls:
-            if replays is not None:
-                raise NotImplementedError(OPD_ISSUE)
-            out.append(block_unroll(self.drafter, aux, ids, mask, steps))
-        return out
+        return [
+            block_unroll(self.drafter, aux, ids, mask, steps, replays)
+            for aux, ids, mask, replays, steps in unrolls
+        ]
+
+
+def block_replay_logits(out: BlockUnroll, anchor: Tensor) -> Tensor:
+    """The drafter's logits [R, K, Vd] along each replay of an unroll given replays."""
+    if out.replayed is None or len(out.replayed) != len(anchor):
+        raise ValueError("replay_logits needs the unroll that was given these replays")
+    return out.replayed
+
+
+@torch.no_grad()
+def replay_blocks(
+    drafter: DFlashModel,
+    aux_hidden: Tensor,
+    input_ids: Tensor,
+    anchors: Tensor,
+    k: int,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Replayed:
+    """K drafts from each anchor e of one sequence, as the proposer drafts them after committing
+    y<e: one forward of all C blocks (anchor position e-1, context < e-1) over one context pass.
+
+    aux_hidden [T, F], input_ids [T], anchors [C] with 2 <= e <= T. T=0 drafts each slot's
+    argmax; T>0 samples each slot from its own q = softmax(logits / T) with `generator` (a
+    slot's q does not depend on the drafts before it, models/dflash/propose.py)."""
+    device = drafter.fc.weight.device
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)  # [T]
+    anchors = torch.as_tensor(anchors, dtype=torch.long, device=device).reshape(-1)  # [C]
+    T, C, drafts = ids.numel(), anchors.numel(), drafter.config.block_size - 1
+    if aux_hidden.shape[0] != T:
+        raise ValueError(f"aux_hidden has {aux_hidden.shape[0]} rows for {T} tokens")
+    if C == 0 or not 1 <= k <= drafts:
+        raise ValueError(
+            f"need at least one anchor and 1 <= k <= {drafts} (the block's drafted slots), "
+            f"got {C} anchors and k={k}"
+        )
+    if int(anchors.min()) < 2 or int(anchors.max()) > T:
+        raise ValueError(
+            f"anchors must lie in [2, {T}] (anchor e needs the context before e-1 and token "
+            f"e-1), got {anchors.min().item()}..{anchors.max().item()}"
+        )
+    starts = anchors - 1  # [C] block positions
+    width = int(starts.max())
+    positions = torch.arange(width, device=device)
+    context = drafter.context_kv(aux_hidden[:width].to(device)[None], positions[None])
+    visible = (positions < starts[:, None])[None]  # [1, C, S]
+    blocks = drafter.block_tokens(ids[starts][None])  # [1, C, B]
+    logits = drafter(blocks, starts[None], context, visible)[0, :, 1 : 1 + k]  # [C, K, Vd]
+    log_q = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # [C, K, Vd]
+    if temperature == 0:
+        draft, logq = logits.argmax(-1), torch.zeros(C, k, device=device)
+    else:
+        flat = log_q.exp().reshape(C * k, -1)
+        draft = torch.multinomial(flat, 1, generator=generator).view(C, k)  # [C, K]
+        logq = log_q.gather(-1, draft[..., None])[..., 0]
+    return Replayed(
+        tokens=drafter.vocab.to_target(draft),
+        logq=logq,
+        confidence=log_q.amax(-1).exp(),
+    )

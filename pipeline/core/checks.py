@@ -79,3 +79,16 @@ def check_made_by(data: Dataset, drafter: Dataset) -> None:
             f"data belongs to its drafter; pass --input drafter={made_by}, or make "
             f"{data.ref.name} with {drafter.ref} first"
         )
+
+
+def check_drafter_kind(data: Dataset, kind: str, drafter_ref: str) -> None:
+    """Refuse on-policy data (rollouts, replays) drafted by another drafter kind: its log and
+    replays are a chain's or a block's, and another kind cannot replay or train on them. Data
+    that records no kind (written before kinds were recorded) is left to `check_made_by`."""
+    theirs = data.meta.get("drafter_kind")
+    if theirs is not None and theirs != kind:
+        raise OpdError(
+            f"{data.ref} was drafted by a {theirs} drafter, but {drafter_ref} is a {kind} "
+            f"drafter: pass the {theirs} drafter that made it, or make {data.ref.name} with "
+            f"{drafter_ref} first"
+        )

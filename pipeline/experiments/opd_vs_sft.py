@@ -147,6 +147,7 @@ def opd_vs_sft(
         "budget_unit": BUDGET_UNIT,
         "budget_row_steps": budget,
         "k": cfg.drafting.k,
+        "drafter_kind": cfg.drafter.kind,
         "temperatures": list(TEMPERATURES),
         "rounds": cfg.rounds,
         "opd_train_temperature": cfg.rollout.temperature,

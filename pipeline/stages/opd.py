@@ -18,11 +18,15 @@ Rows are independent after step 0 (a chain sees step-0 keys of rows <= e-2, all 
 and its own chain keys), so anchors of one sequence train together. The target contributes only
 the loss: teacher p_k = softmax(lm_head(teacher_hidden_k) / T) on the draft vocab, recomputed
 exactly through the frozen head from the replay's post-norm hidden states.
+A block drafter (DFlash, `Drafter.drafts_blocks`) reads no draft: each replay is the block at
+position e-1, an extra block of the sequence's one training forward (models/dflash/train.py).
 
 Losses (`loss`): "draft_opd" (forward KL on accepted proposals + gamma^k-decayed reverse KL on
-rejected ones), "reverse_kl_k1" / "reverse_kl_k3" (sampled reverse KL on the replayed tokens,
-score-function gradient), "tv" (1 - alpha) and "expected_length" (maximise sum_k prod_{i<=k}
-alpha_i along the replayed path). At a replay temperature > 0 a proposal's acceptance is drawn
+rejected ones; for a block drafter its block form, `models.losses.block_opd_loss`),
+"reverse_kl_k1" / "reverse_kl_k3" (sampled reverse KL on the replayed tokens, score-function
+gradient), "tv" (1 - alpha) and "expected_length" (maximise sum_k prod_{i<=k} alpha_i along the
+replayed path). A block drafter refuses, before any work, those that do not apply to blocks
+(`models.losses.block_loss_error`). At a replay temperature > 0 a proposal's acceptance is drawn
 from its recorded accept probability with a seeded generator, so a resumed run draws the same.
 
 `ce_lambda` > 0 adds lambda x the EAGLE-3 TTT soft-CE: on batches of the `features` input when
@@ -60,10 +64,27 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from models.drafter import Drafter
-from models.losses import ReplayLoss, acceptance_rate, replay_loss, teacher_draft_probs
+from models.drafters import drafter_class
+from models.losses import (
+    ReplayLoss,
+    acceptance_rate,
+    block_loss_error,
+    replay_loss,
+    teacher_draft_probs,
+)
 from pipeline.core import training, validation
-from pipeline.core.checks import check_made_by, check_same_target, check_same_vocab
-from pipeline.core.drafters import load_drafter_dataset, write_drafter_dataset, written_summary
+from pipeline.core.checks import (
+    check_drafter_kind,
+    check_made_by,
+    check_same_target,
+    check_same_vocab,
+)
+from pipeline.core.drafters import (
+    drafter_kind,
+    load_drafter_dataset,
+    write_drafter_dataset,
+    written_summary,
+)
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
 from pipeline.core.trainer import METRICS_SCHEMA as TRAIN_METRICS_SCHEMA
@@ -313,7 +334,7 @@ def _replay_loss(
     tokens: Tensor,
     accepted: Tensor,
     mask: Tensor,
-    vocab: Any,
+    drafter: Drafter,
 ) -> Tensor:
     """`models.losses.replay_loss` with the stage's loss settings (training and validation)."""
     return replay_loss(
@@ -323,11 +344,12 @@ def _replay_loss(
         tokens,
         accepted,
         mask,
-        vocab,
+        drafter.vocab,
         temperature=cfg.temperature,
         gamma=cfg.gamma,
         lambda_accept=cfg.lambda_accept,
         lambda_reject=cfg.lambda_reject,
+        blocks=drafter.drafts_blocks,
     )
 
 
@@ -418,7 +440,7 @@ def validate_replays(
             accepted, mask = replay_outcomes(
                 b.accept_prob, b.replay_length, cfg.positions, generator
             )
-            loss = _replay_loss(cfg, logits, target_logits, b.tokens, accepted, mask, vocab)
+            loss = _replay_loss(cfg, logits, target_logits, b.tokens, accepted, mask, drafter)
             verified = (torch.arange(K, device=device) < b.replay_length[:, None]).double()
             hits = vocab.to_target(logits.argmax(-1)) == target_logits.argmax(-1)  # [N, K]
             p_full = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False)
@@ -481,6 +503,11 @@ def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> Non
     for ds in (replays, rollouts, source, feats, heldout):
         if ds is not None:
             check_same_target(ds, ctx.target_loader.identity)
+    kind = drafter_kind(source)
+    for data in (rollouts, replays):
+        check_drafter_kind(data, kind, str(source.ref))
+    if drafter_class(kind).drafts_blocks and (error := block_loss_error(cfg.loss, cfg.positions)):
+        raise OpdError(f"{source.ref} is a {kind} drafter: {error}")
     check_made_by(rollouts, source)
     check_made_by(replays, source)
     scored_on = replays.inputs.get("rollouts")
@@ -645,7 +672,7 @@ def replay_step(
     with autocast(device, cfg.bf16):
         outs = model(*unrolls)
     logits = drafter.replay_logits(outs[0], b.item, b.anchor)  # [N, K, Vd]
-    loss = _replay_loss(cfg, logits, target_logits, b.tokens, accepted, mask, vocab)
+    loss = _replay_loss(cfg, logits, target_logits, b.tokens, accepted, mask, drafter)
     tokens, row_steps = int(batch.lengths.sum()), batch.row_steps
     if cfg.ce_lambda > 0 and cfg.ce_source == "rollouts":
         with torch.no_grad():

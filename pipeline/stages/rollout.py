@@ -11,7 +11,9 @@ at T=0) while the log records where the drafter failed. Produces `rollouts`, per
   features-{i:05d}.arrow      the `features` stage's schema (seq_id, input_ids, loss_mask,
                               aux_hidden [T, 3H] bf16, last_hidden [T, H] bf16), one target
                               forward per batch, so sft/opd loaders read it unchanged
-  rejections-{i:05d}.parquet  the rejection log, one row per drafted token (REJECTIONS_SCHEMA)
+  rejections-{i:05d}.parquet  the rejection log, one row per drafted token (REJECTIONS_SCHEMA;
+                              one schema for every drafter kind, `drafter_kind` names it: a
+                              DFlash block is logged as the chain the loop verified)
   steps-{i:05d}.parquet       one row per verify step: seq_id, step, anchor, drafted, accepted,
                               emitted
 
@@ -90,6 +92,7 @@ REJECTIONS_SCHEMA = pa.schema(
         ("run", pa.string()),
         ("round", pa.int32()),
         ("drafter", pa.string()),  # the drafter dataset ref, e.g. sft@0123456789ab
+        ("drafter_kind", pa.string()),  # eagle3 (chains, trees) | dflash (blocks)
         ("seq_id", pa.string()),
         ("step", pa.int32()),  # verify step of the sequence, 0-based
         ("anchor", pa.int32()),  # sequence position of the block's first draft
@@ -248,6 +251,7 @@ def _write_shard(
     cfg: Config,
     run_name: str,
     drafter_ref: str,
+    kind: str,
     hidden: int,
 ) -> None:
     seq_file, feat_file, rej_file, steps_file = shard_files(i)
@@ -293,6 +297,7 @@ def _write_shard(
                 "run": [run_name] * n,
                 "round": [cfg.round] * n,
                 "drafter": [drafter_ref] * n,
+                "drafter_kind": [kind] * n,
                 "seq_id": [seq_ids[s] for s in rec.get("sequence", [])],
                 "step": rec.get("step", []),
                 "anchor": rec.get("anchor", []),
@@ -421,6 +426,7 @@ def run(
             cfg,
             ctx.run_name,
             str(drafter_ds.ref),
+            drafter.kind,
             target.hidden_size,
         )
         bar.update()
@@ -439,13 +445,18 @@ def run(
         meta["rejected"],
         meta["drafted"],
     )
-    return meta | {"target": identity, "drafter": str(drafter_ds.ref), "shards": n_shards}
+    return meta | {
+        "target": identity,
+        "drafter": str(drafter_ds.ref),
+        "drafter_kind": drafter.kind,
+        "shards": n_shards,
+    }
 
 
 STAGE = Stage(
     name="rollout",
     output="rollouts",
-    version="1",
+    version="2",
     config=Config,
     run=run,
     doc="target-assisted speculative decoding with the drafter, with a rejection log",

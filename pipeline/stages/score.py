@@ -26,7 +26,8 @@ exactly as the decoder would: row e-2 reads the rollout's target feature f_{e-2}
 then K-1 chain steps read only the drafter's own hidden states and tokens. All anchors and
 samples of a sequence share ONE drafter pass over the prefix rows; their chains advance
 together, one batched forward per step, each seeing the prefix rows <= e-2 and its own chain
-keys through the attention mask (`Drafter.replay`). Then the target scores
+keys through the attention mask (`Drafter.replay`); a DFlash drafter drafts every anchor's
+block (at position e-1, over the context before it) in one forward. Then the target scores
 every replayed token of the sequence in ONE tree-masked forward (`Target.score_tree`: the
 sequence once plus E x n x K branch tokens), instead of one full-prefix forward per anchor.
 
@@ -64,12 +65,13 @@ from models.drafter import Drafter
 from models.target import Target
 from pipeline.core.checks import (
     VOCAB_FILE,
+    check_drafter_kind,
     check_drafter_vocab,
     check_made_by,
     check_same_target,
 )
 from pipeline.core.config import DraftTree, StrictConfig, optional_field
-from pipeline.core.drafters import load_drafter_dataset
+from pipeline.core.drafters import drafter_kind, load_drafter_dataset
 from pipeline.core.rollouts import shard_files
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
@@ -314,9 +316,11 @@ def summarize(output: DatasetWriter, cfg: Config) -> dict[str, Any]:
 
 
 def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> None:
-    """The rollouts come from this target and from the drafter that replays them."""
-    check_same_target(inputs["rollouts"], ctx.target_loader.identity)
-    check_made_by(inputs["rollouts"], inputs["drafter"])
+    """The rollouts come from this target and from the drafter (and kind) that replays them."""
+    rollouts, drafter = inputs["rollouts"], inputs["drafter"]
+    check_same_target(rollouts, ctx.target_loader.identity)
+    check_drafter_kind(rollouts, drafter_kind(drafter), str(drafter.ref))
+    check_made_by(rollouts, drafter)
 
 
 def run(
@@ -367,6 +371,7 @@ def run(
         "rollouts": str(rollouts.ref),
         "drafter": str(drafter_ds.ref),
         "rollout_drafter": rollouts.meta.get("drafter"),
+        "drafter_kind": drafter.kind,
         "target": identity,
     }
 

@@ -4,11 +4,13 @@ the block attention's visibility rules, its training forward and loss, and check
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import Tensor
 
 import models.decoding as spec
 from models.decoding import SpecConfig, speculative_generate, target_generate
@@ -16,7 +18,7 @@ from models.dflash.drafter import DFlashDrafter
 from models.dflash.export import export_dflash, load_dflash_export
 from models.dflash.model import DFlashModel, default_mask_token
 from models.dflash.train import block_loss, block_unroll, choose_anchors
-from models.drafter import ChainShape, TreeShape
+from models.drafter import ChainShape, CommittedRows, TreeShape
 from models.drafters import load_drafter, recorded_kind, save_drafter
 from models.losses import soft_cross_entropy, teacher_draft_probs
 from models.target import Target, load_target
@@ -311,10 +313,79 @@ def test_training_raises_teacher_forced_acceptance(tiny_llama: Target, greedy_ca
     assert taus[1] > taus[0] + 1.0, taus
 
 
-def test_opd_over_dflash_is_refused_by_name(tiny_llama: Target):
-    drafter = make_dflash(tiny_llama, 64)
-    with pytest.raises(NotImplementedError, match="issue #28"):
-        drafter.replay(torch.zeros(5, 96), torch.zeros(5, dtype=torch.long), torch.tensor([2]), 2)
+# ---------------------------------------------------------------------------- replays
+
+
+def _proposed_block(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, e: int, k: int) -> Tensor:
+    """What the decoding loop's proposer drafts after committing y<e (one sequence)."""
+    proposer = drafter.proposer(
+        ChainShape(k), 0.0, torch.Generator(), lambda _: contextlib.nullcontext()
+    )
+    rows = CommittedRows(
+        ids=ids[1:e][None],
+        aux=aux[: e - 1][None],
+        positions=torch.arange(e - 1)[None],
+        valid=torch.ones(1, e - 1, dtype=torch.bool),
+    )
+    return proposer.propose(rows, torch.tensor([k])).tokens[0]
+
+
+def test_replay_drafts_what_the_decoding_loop_drafts(tiny_llama: Target, greedy_case):
+    """Anchors of one sequence replayed in one forward draft, each, the proposer's block after
+    the prefix y<e (a repeated anchor drafts it twice)."""
+    prompts, reference, fitted = greedy_case
+    ids = torch.tensor(prompts[0] + reference[0])
+    aux = tiny_llama.forward(ids[None]).aux_hidden[0]
+    anchors = torch.tensor([2, 7, 7, len(ids)])
+    out = fitted.replay(aux, ids, anchors, 3)
+    assert out.tokens.shape == (4, 3) and torch.equal(out.logq, torch.zeros(4, 3))
+    for c, e in enumerate(anchors.tolist()):
+        assert torch.equal(out.tokens[c], _proposed_block(fitted, ids, aux, e, 3)), e
+    assert ((out.confidence > 0) & (out.confidence <= 1)).all()
+
+
+def test_sampled_replays_carry_their_log_q(tiny_llama: Target):
+    drafter = make_dflash(tiny_llama, 64, seed=3)
+    ids = torch.randint(0, tiny_llama.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    aux = tiny_llama.forward(ids[None]).aux_hidden[0]
+    gen = torch.Generator().manual_seed(0)
+    out = drafter.replay(aux, ids, torch.tensor([4, 9]), 4, temperature=0.7, generator=gen)
+    blocks = drafter.unroll(
+        aux[None],
+        ids[None],
+        None,
+        4,
+        replays=(torch.zeros(2, dtype=torch.long), torch.tensor([4, 9]), out.tokens),
+    )
+    logq = (drafter.replay_logits(blocks, None, torch.tensor([4, 9])) / 0.7).log_softmax(-1)
+    drafted = drafter.vocab.to_draft(out.tokens)
+    assert torch.allclose(out.logq, logq.gather(-1, drafted[..., None])[..., 0], atol=1e-5)
+
+
+def test_unroll_with_replays_gives_each_replay_its_block(tiny_llama: Target, greedy_case):
+    """The training forward along a replay is the block at its anchor (no slot reads a draft):
+    at T=0 its argmax is the replay, the teacher-forced blocks are those of an unroll without
+    replays, and the gradient reaches the drafter through the replayed logits."""
+    prompts, reference, fitted = greedy_case
+    seqs = [torch.tensor(p + r) for p, r in zip(prompts[:2], reference[:2], strict=True)]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    aux = tiny_llama.forward(ids).aux_hidden
+    item, anchor = torch.tensor([1, 0, 1, 0]), torch.tensor([5, 3, 9, 12])
+    tokens = torch.stack(
+        [fitted.replay(aux[i], ids[i], anchor[n : n + 1], 4).tokens[0] for n, i in enumerate(item)]
+    )
+    out = fitted.unroll(aux, ids, None, 4, replays=(item, anchor, tokens))
+    logits = fitted.replay_logits(out, item, anchor)  # [R, K, Vd]
+    assert torch.equal(fitted.vocab.to_target(logits.argmax(-1)), tokens)
+    plain = fitted.unroll(aux, ids, None, 4)
+    assert torch.allclose(out.logits, plain.logits, atol=1e-5)
+    assert torch.equal(out.valid, plain.valid)
+    logits.sum().backward()
+    assert fitted.lm_head.weight.grad is not None and fitted.lm_head.weight.grad.abs().sum() > 0
+    fitted.zero_grad()
 
 
 # ---------------------------------------------------------------------------- checkpoints

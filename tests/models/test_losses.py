@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from models.eagle3.model import shift_left
 from models.losses import (
     acceptance_rate,
+    block_loss_error,
+    block_opd_loss,
     ce_rollout_loss,
     draft_opd_loss,
     draft_to_target_probs,
@@ -319,6 +321,101 @@ def test_draft_opd_loss_matches_brute_force_and_masks():
         draft_opd_loss(logits, teacher, accepted.float(), mask)
 
 
+def test_block_opd_loss_matches_brute_force_by_stream():
+    """Forward KL on the accepted slots and the boundary, gamma^k reverse KL from the boundary
+    on, whatever a later slot's own outcome."""
+    logits, teacher, mask = random_inputs(seed=4)
+    accepted = torch.tensor([[True, False, True, True, False], [True, True, True, True, True]])
+    mask[:] = True
+    mask[1, 3] = False
+    got = block_opd_loss(
+        logits, teacher, accepted, mask, gamma=0.5, lambda_accept=0.7, lambda_reject=1.3
+    )
+    total = 0.0
+    for b in range(B):
+        boundary = next((k for k in range(T) if not accepted[b, k]), T)
+        for k in range(T):
+            if not mask[b, k]:
+                continue
+            q, p = logits[b, k].softmax(-1), teacher[b, k]
+            if k <= boundary:
+                total += 0.7 * (p * (p / q).log()).sum()
+            if k >= boundary:
+                total += 1.3 * 0.5**k * (q * (q / p).log()).sum()
+    torch.testing.assert_close(got, total / mask.sum())
+
+
+def test_block_opd_loss_is_zero_at_the_teacher_and_never_negative():
+    logits, teacher, mask = random_inputs(seed=5)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        accepted = torch.rand(B, T, generator=g) > 0.5
+        noisy = logits + torch.randn(logits.shape, generator=g)
+        assert block_opd_loss(noisy, teacher, accepted, mask) >= 0
+        at_teacher = block_opd_loss(teacher.log(), teacher, accepted, mask)
+        torch.testing.assert_close(at_teacher, torch.tensor(0.0), atol=1e-6, rtol=0)
+
+
+def test_block_opd_loss_decays_rejected_slots_by_position():
+    """One rejected slot alone in the mask weighs gamma^k (its reverse KL is the same logits)."""
+    g = torch.Generator().manual_seed(2)
+    row = torch.randn(1, 1, VD, generator=g).expand(1, T, VD)
+    p = torch.randn(1, 1, VD, generator=g).softmax(-1).expand(1, T, VD)
+    accepted = torch.zeros(1, T, dtype=torch.bool)
+    per_slot = []
+    for k in range(1, T):
+        mask = torch.zeros(1, T, dtype=torch.bool)
+        mask[0, k] = True
+        per_slot.append(float(block_opd_loss(row, p, accepted, mask, gamma=0.5)))
+    for k in range(len(per_slot) - 1):
+        assert per_slot[k] == pytest.approx(2 * per_slot[k + 1])
+
+
+def test_block_opd_loss_masks_rows_and_sends_no_gradient_to_the_teacher():
+    logits, teacher, mask = random_inputs(seed=6)
+    accepted = torch.rand(B, T, generator=torch.Generator().manual_seed(3)) > 0.4
+    accepted[0, 0] = False
+
+    def loss_fn(x, t, m):
+        return block_opd_loss(x, t, accepted, m)
+
+    check_masked_rows_change_nothing(loss_fn, logits, teacher, mask=mask)
+    teacher = teacher.clone().requires_grad_(True)
+    loss = block_opd_loss(logits.clone().requires_grad_(True), teacher, accepted, mask)
+    loss.backward()
+    assert teacher.grad is None
+    logits64, teacher64, _ = random_inputs(dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda x: loss_fn(x, teacher64, mask), logits64.requires_grad_(True)
+    )
+    with pytest.raises(TypeError, match="accepted mask must be bool"):
+        block_opd_loss(logits, teacher, accepted.float(), mask)
+
+
+def test_block_opd_differs_from_the_chain_form_only_after_a_rejection():
+    logits, teacher, mask = random_inputs(seed=7)
+    all_accepted = torch.ones(B, T, dtype=torch.bool)
+    torch.testing.assert_close(
+        block_opd_loss(logits, teacher, all_accepted, mask),
+        draft_opd_loss(logits, teacher, all_accepted, mask),
+    )
+    later_accept = all_accepted.clone()
+    later_accept[:, 0] = False
+    assert not torch.allclose(
+        block_opd_loss(logits, teacher, later_accept, mask),
+        draft_opd_loss(logits, teacher, later_accept, mask),
+    )
+
+
+def test_block_losses_that_do_not_apply_are_named():
+    for loss in ("draft_opd", "expected_length"):
+        assert block_loss_error(loss, "all") is None
+    for loss in ("tv", "reverse_kl_k1", "reverse_kl_k3"):
+        assert block_loss_error(loss, "reached") is None
+        error = block_loss_error(loss, "all")
+        assert error is not None and f"opd.loss={loss}" in error and "\n" not in error
+
+
 # ----------------------------------------------------------------------------- stage losses
 
 
@@ -495,6 +592,20 @@ def test_replay_loss_families_equal_their_primitives(vocab):
 
     torch.testing.assert_close(
         loss("draft_opd"), draft_opd_loss(logits / temp, teacher, accepted, mask, gamma=0.8)
+    )
+    torch.testing.assert_close(
+        replay_loss(
+            "draft_opd",
+            logits,
+            target_logits,
+            tokens,
+            accepted,
+            mask,
+            vocab,
+            temperature=temp,
+            blocks=True,
+        ),
+        block_opd_loss(logits / temp, teacher, accepted, mask, gamma=0.8),
     )
     torch.testing.assert_close(loss("tv"), masked_mean(total_variation(q, p_full), mask))
     torch.testing.assert_close(

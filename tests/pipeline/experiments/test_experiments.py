@@ -277,3 +277,32 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     assert printed["rows"] == json.loads(json.dumps(result["rows"]))
     bad = CliRunner().invoke(cli, [*args[:-1], "--factors", "lr"])
     assert bad.exit_code != 0 and "unknown ablation factor" in bad.output
+
+
+def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
+    """`--drafter-kind dflash`: every arm trains a DFlash drafter, the JSON keeps its keys."""
+    from models.drafters import recorded_kind
+    from storage import Store
+    from tests.pipeline.conftest import write_prompts
+
+    store = Store(tmp_path)
+    prompts = write_prompts(store)
+    args = ["--root", str(tmp_path), "experiment", "opd-vs-sft", "--profile", "tiny"]
+    args += ["--set", "rounds=1", "--seeds", "1", "--budget-ratio", "0.5"]
+    r = CliRunner().invoke(
+        cli, [*args, "--drafter-kind", "dflash", "--prompts", str(prompts.ref), "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    assert result["drafter_kind"] == "dflash"
+    for key in ("tau_opd", "tau_opd_t1", "tau_sft_continued", "tau_sft_continued_t1"):
+        assert result[key] >= 1.0
+    refs = [result["warmup"]["drafter"]] + [
+        result["runs"][0][arm]["drafter"] for arm in ("sft_continued", "opd")
+    ]
+    assert {recorded_kind(store.open(ref).path) for ref in refs} == {"dflash"}
+
+    clash = CliRunner().invoke(
+        cli, [*args, "--drafter-kind", "dflash", "--set", "drafter.kind=eagle3"]
+    )
+    assert clash.exit_code != 0 and "name the kind once" in clash.output
