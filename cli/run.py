@@ -222,4 +222,5 @@ def _run(
                 f"export       {info['path']}" + (f" (+ {others} beside it)" if others else "")
             )
             click.echo(f"serve with:  {info['vllm_command']}")
-            click.echo(f"trees:       {info['tree_note']}")
+            if info["tree_note"]:
+                click.echo(f"trees:       {info['tree_note']}")

@@ -114,7 +114,8 @@ def export_cmd(
     )
     click.echo("serve it with:")
     click.echo(f"  {info['vllm_command']}")
-    click.echo(f"  ({info['tree_note']})")
+    if info["tree_note"]:
+        click.echo(f"  ({info['tree_note']})")
 
 
 @click.command("serve")

@@ -325,7 +325,8 @@ def export_drafter(
         "vllm_command": vllm_command(
             _serve_dir(loader), path, drafter.served_tokens(k), drafter.serve_method
         ),
-        "tree_note": TREE_NOTE,
+        # only EAGLE-3 has draft trees to speak of; a block drafter drafts its whole block
+        "tree_note": TREE_NOTE if drafter.serve_method == "eagle3" else None,
         "warnings": warnings,
     }
 

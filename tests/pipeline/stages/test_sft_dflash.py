@@ -94,3 +94,4 @@ def test_a_dflash_drafter_exports_in_its_own_format_only(tiny_features, tmp_path
     assert info["format"] == "dflash" and info["max_logit_diff"] == 0.0
     assert '"method": "dflash"' in info["vllm_command"]
     assert f'"num_speculative_tokens": {DFLASH.block_size - 1}' in info["vllm_command"]
+    assert info["tree_note"] is None  # EAGLE-3's note on trees does not apply to a block
