@@ -92,7 +92,7 @@ def show_cmd(store: Store, ref: str, as_json: bool, verify: bool) -> None:
 def gc_cmd(store: Store, dry_run: bool) -> None:
     """Remove incomplete datasets and stale temporaries (never a complete dataset), and what
     killed exports left under <root>/_exports."""
-    from pipeline.export import tidy_exports
+    from pipeline.core.export import tidy_exports
 
     removed = store.gc(dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"

@@ -83,8 +83,8 @@ def export_cmd(
     sets: tuple[str, ...],
 ) -> None:
     """Write a drafter as a directory vLLM loads, and print the command that serves it."""
+    from pipeline.core.export import export_drafter, verify_export
     from pipeline.core.tuning import serving_k, trained_k
-    from pipeline.export import export_drafter, verify_export
 
     if verify_dir is not None:
         if out is not None:

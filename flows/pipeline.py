@@ -20,9 +20,9 @@ from prefect.cache_policies import NO_CACHE
 
 from pipeline import distributed
 from pipeline.chains import CHAINS, Step, record_results, run_chain, summary_markdown
+from pipeline.core.export import export_chain_result
 from pipeline.core.runner import RunContext, StageResult, planned_ref, run_stage
 from pipeline.core.targets import TargetConfig, TargetLoader
-from pipeline.export import export_chain_result
 from pipeline.profiles import load_config
 from storage import Dataset, OpdError, Store, check_run_name
 

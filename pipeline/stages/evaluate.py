@@ -254,7 +254,7 @@ def vllm_stats(
 ) -> dict:
     """The drafter's export run inside vLLM (see `Config.backend`), with a note when its τ
     differs from the project decoder's by more than TAU_VLLM_TOLERANCE."""
-    from pipeline.export import ensure_export
+    from pipeline.core.export import ensure_export
 
     loader = ctx.target_loader
     if loader.directory is None:

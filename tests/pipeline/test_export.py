@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
+from pipeline.core.export import default_verifier, ensure_export, verify_export
 from pipeline.core.runner import RunContext, run_stage
 from pipeline.core.targets import (
     EMBEDDED_TARGET,
@@ -24,7 +25,6 @@ from pipeline.core.targets import (
     target_for,
     target_spec,
 )
-from pipeline.export import default_verifier, ensure_export, verify_export
 from pipeline.profiles import load_config
 from pipeline.stages import features, generate, sft
 from storage import OpdError, Store

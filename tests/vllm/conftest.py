@@ -14,9 +14,9 @@ import pytest
 
 from models import vllm_engine
 from pipeline.chains import Step
+from pipeline.core.export import ensure_export
 from pipeline.core.runner import RunContext, run_stage
 from pipeline.core.targets import TargetLoader, resolve_dtype
-from pipeline.export import ensure_export
 from pipeline.profiles import PipelineConfig, load_config
 from pipeline.stages import evaluate, features, generate, prompts, sft
 from storage import Dataset, Store

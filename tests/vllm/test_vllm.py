@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from cli.main import cli
 from models import vllm_engine
+from pipeline.core.export import ensure_export
 from pipeline.core.runner import run_stage
-from pipeline.export import ensure_export
 from pipeline.stages import generate
 from pipeline.stages.evaluate import divergence
 from tests.vllm.conftest import SETS, UNAVAILABLE, Embedded, K

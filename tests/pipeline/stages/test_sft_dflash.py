@@ -12,9 +12,9 @@ from models.dflash.drafter import DFlashDrafter
 from models.drafters import load_drafter, recorded_kind
 from pipeline.core import drafters, training
 from pipeline.core.config import DrafterConfig, version_dict
+from pipeline.core.export import export_drafter
 from pipeline.core.runner import run_stage
 from pipeline.core.trainer import TrainingStopped
-from pipeline.export import export_drafter
 from pipeline.profiles import load_config
 from pipeline.stages import sft
 from storage import OpdError
