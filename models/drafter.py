@@ -330,3 +330,67 @@ class Drafter(nn.Module, ABC):
     def probe_logits(self, seed: int) -> Tensor:
         """Logits on a small input drawn from `seed` and the config alone (the same for every
         drafter of one config), so an export's round trip compares like with like."""
+
+
+class FrozenEmbeddingDrafter(Drafter):
+    """What the kinds built on the target's own embedding share (EAGLE-3, DFlash): the module
+    reads the target's frozen `embed_tokens` (never trained, never saved), carries the
+    draft-vocab map as `d2t` / `t2d` buffers, projects the target's features with `fc`, and is
+    built as `cls(config, embed_weight, vocab)`."""
+
+    embed_tokens: nn.Embedding
+
+    @classmethod
+    def from_checked_tensors(
+        cls, config: Any, embed_weight: Tensor, tensors: Mapping[str, Tensor], source: str
+    ) -> Drafter:
+        """`cls(config, ...)` loaded with `tensors`, refusing missing, unexpected or misshapen
+        ones by name."""
+        for name in ("d2t", "t2d"):
+            if name not in tensors:
+                raise ValueError(
+                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
+                )
+        drafter = cls(config, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
+        expected = drafter.tensors()
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{source}: missing tensors {missing}, unexpected tensors {unexpected}"
+            )
+        for name, t in tensors.items():
+            if t.shape != expected[name].shape:
+                raise ValueError(
+                    f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                    f"{tuple(expected[name].shape)}"
+                )
+        drafter.to(tensors["fc.weight"].dtype)
+        # `.to()` may have cast the shared embedding; re-attach the target's own tensor.
+        drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
+        drafter.load_state_dict(tensors, strict=False)
+        return drafter
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {
+            name: t.detach().contiguous()
+            for name, t in self.state_dict().items()
+            if not name.startswith("embed_tokens.")
+        }
+
+    def untrained(self) -> Drafter:
+        return type(self)(self.config, self.embed_tokens.weight, self.vocab)
+
+    def frozen_embedding(self) -> Tensor:
+        return self.embed_tokens.weight
+
+    def check_embedding(self, target: Any) -> None:
+        """Refuse an embedding that is not the target's (the drafter would read other tokens)."""
+        embed, ours = self.embed_tokens.weight, target.embed_weight
+        if embed.data_ptr() != ours.data_ptr() and not torch.equal(
+            embed.to(ours.device, ours.dtype), ours
+        ):
+            raise ValueError(
+                "the drafter's embed_tokens is not the target's embedding; build or load the "
+                "drafter with target.embed_weight"
+            )

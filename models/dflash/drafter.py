@@ -34,7 +34,7 @@ from models.dflash.train import (
     replay_blocks,
     sft_block_loss,
 )
-from models.drafter import Drafter, Proposer, Replayed, Shape
+from models.drafter import FrozenEmbeddingDrafter, Proposer, Replayed, Shape
 from models.vocab import DraftVocab
 
 SETTINGS = {
@@ -45,7 +45,7 @@ SETTINGS = {
 }
 
 
-class DFlashDrafter(DFlashModel, Drafter):
+class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
     kind = "dflash"
     export_formats = ("dflash",)
     serve_method = "dflash"
@@ -85,45 +85,7 @@ class DFlashDrafter(DFlashModel, Drafter):
         source: str,
     ) -> DFlashDrafter:
         cfg = DFlashConfig.from_dict(config)
-        for name in ("d2t", "t2d"):
-            if name not in tensors:
-                raise ValueError(
-                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
-                )
-        drafter = cls(cfg, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
-        expected = drafter.tensors()
-        missing, unexpected = (
-            sorted(set(expected) - set(tensors)),
-            sorted(set(tensors) - set(expected)),
-        )
-        if missing or unexpected:
-            raise ValueError(
-                f"{source}: missing tensors {missing}, unexpected tensors {unexpected}"
-            )
-        for name, t in tensors.items():
-            if t.shape != expected[name].shape:
-                raise ValueError(
-                    f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
-                    f"{tuple(expected[name].shape)}"
-                )
-        drafter.to(tensors["fc.weight"].dtype)
-        # `.to()` may have cast the shared embedding; re-attach the target's own tensor.
-        drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
-        drafter.load_state_dict(tensors, strict=False)
-        return drafter
-
-    def tensors(self) -> dict[str, Tensor]:
-        return {
-            name: t.detach().contiguous()
-            for name, t in self.state_dict().items()
-            if not name.startswith("embed_tokens.")
-        }
-
-    def untrained(self) -> DFlashDrafter:
-        return type(self)(self.config, self.embed_tokens.weight, self.vocab)
-
-    def frozen_embedding(self) -> Tensor:
-        return self.embed_tokens.weight
+        return cls.from_checked_tensors(cfg, embed_weight, tensors, source)
 
     def check_target(self, target: Any) -> None:
         cfg = self.config
@@ -140,14 +102,7 @@ class DFlashDrafter(DFlashModel, Drafter):
                     f"drafter does not match the target: drafter {name} is {theirs}, target's "
                     f"is {ours}; use the drafter trained for this target"
                 )
-        embed, ours = self.embed_tokens.weight, target.embed_weight
-        if embed.data_ptr() != ours.data_ptr() and not torch.equal(
-            embed.to(ours.device, ours.dtype), ours
-        ):
-            raise ValueError(
-                "the drafter's embed_tokens is not the target's embedding; build or load the "
-                "drafter with target.embed_weight"
-            )
+        self.check_embedding(target)
 
     # -- decoding -------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from models.acceptance import AcceptanceStats
-from models.drafter import Drafter, Proposer, Replayed, Shape, TreeShape
+from models.drafter import FrozenEmbeddingDrafter, Proposer, Replayed, Shape, TreeShape
 from models.eagle3.model import Eagle3Config, Eagle3Model
 from models.eagle3.propose import Eagle3Proposer, replay_drafts
 from models.eagle3.train import (
@@ -26,7 +26,7 @@ from models.eagle3.train import (
 from models.vocab import DraftVocab
 
 
-class Eagle3Drafter(Eagle3Model, Drafter):
+class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter):
     kind = "eagle3"
     export_formats = ("eagle3", "speculators")
     serve_method = "eagle3"
@@ -60,43 +60,7 @@ class Eagle3Drafter(Eagle3Model, Drafter):
                 f"{cfg.hidden_size}, but the given embedding is {tuple(embed_weight.shape)}: load "
                 "it with the target it was trained for"
             )
-        for name in ("d2t", "t2d"):
-            if name not in tensors:
-                raise ValueError(
-                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
-                )
-        drafter = cls(cfg, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
-        expected = drafter.tensors()
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        if missing or unexpected:
-            raise ValueError(
-                f"{source}: missing tensors {missing}, unexpected tensors {unexpected}"
-            )
-        for name, t in tensors.items():
-            if t.shape != expected[name].shape:
-                raise ValueError(
-                    f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
-                    f"{tuple(expected[name].shape)}"
-                )
-        drafter.to(tensors["fc.weight"].dtype)
-        # `.to()` may have cast the shared embedding; re-attach the target's own tensor.
-        drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
-        drafter.load_state_dict(tensors, strict=False)
-        return drafter
-
-    def tensors(self) -> dict[str, Tensor]:
-        return {
-            name: t.detach().contiguous()
-            for name, t in self.state_dict().items()
-            if not name.startswith("embed_tokens.")
-        }
-
-    def untrained(self) -> Eagle3Drafter:
-        return type(self)(self.config, self.embed_tokens.weight, self.vocab)
-
-    def frozen_embedding(self) -> Tensor:
-        return self.embed_tokens.weight
+        return cls.from_checked_tensors(cfg, embed_weight, tensors, source)
 
     def check_target(self, target: Any) -> None:
         cfg = self.config
@@ -115,14 +79,7 @@ class Eagle3Drafter(Eagle3Model, Drafter):
                     f"is {ours}; use the drafter trained for this target (or load the target "
                     "with the drafter's aux layer ids)"
                 )
-        embed, ours = self.embed_tokens.weight, target.embed_weight
-        if embed.data_ptr() != ours.data_ptr() and not torch.equal(
-            embed.to(ours.device, ours.dtype), ours
-        ):
-            raise ValueError(
-                "the drafter's embed_tokens is not the target's embedding; build or load the "
-                "drafter with target.embed_weight"
-            )
+        self.check_embedding(target)
 
     # -- decoding -------------------------------------------------------------------------
 
