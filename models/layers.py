@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -26,6 +27,19 @@ def rope_parameters_of(target_config: Mapping[str, Any]) -> dict[str, Any]:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
     return params
+
+
+class SwiGLU(nn.Module):
+    """The Llama / Qwen MLP: down(silu(gate(x)) * up(x)); vLLM's parameter names."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class RMSNorm(nn.Module):

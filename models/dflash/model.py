@@ -17,13 +17,13 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.layers import (
     SUPPORTED_ROPE_TYPES,
     RMSNorm,
     RotaryEmbedding,
+    SwiGLU,
     apply_rope,
     rope_parameters_of,
 )
@@ -236,18 +236,6 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out)
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, config: DFlashConfig) -> None:
-        super().__init__()
-        H, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(H, inter, bias=False)
-        self.up_proj = nn.Linear(H, inter, bias=False)
-        self.down_proj = nn.Linear(inter, H, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashDecoderLayer(nn.Module):
     """A pre-norm Qwen3 decoder layer over the block (vLLM's DFlashQwen3DecoderLayer)."""
 
@@ -257,7 +245,7 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = RMSNorm(H, eps)
-        self.mlp = DFlashMLP(config)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, k_ctx: Tensor, v_ctx: Tensor, visible: Tensor

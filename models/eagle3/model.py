@@ -23,6 +23,7 @@ from models.layers import (
     SUPPORTED_ROPE_TYPES,
     RMSNorm,
     RotaryEmbedding,
+    SwiGLU,
     apply_rope,
     rope_parameters_of,
 )
@@ -233,18 +234,6 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        H, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(H, inter, bias=False)
-        self.up_proj = nn.Linear(H, inter, bias=False)
-        self.down_proj = nn.Linear(inter, H, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3DecoderLayer(nn.Module):
     """vLLM's llama_eagle3 first layer with norm_before_residual=False: the residual is the raw hidden."""
 
@@ -255,7 +244,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(H, eps)
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = RMSNorm(H, eps)
-        self.mlp = Eagle3MLP(config)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(
         self,
