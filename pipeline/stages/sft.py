@@ -359,7 +359,7 @@ STAGE = Stage(
     version="1",
     config=Config,
     run=run,
-    doc="EAGLE-3 warm-up with training-time test (or EAGLE-1's objective) on cached features",
+    doc="drafter warm-up on cached features (EAGLE-3 training-time test, EAGLE-1's objective, or DFlash blocks)",
     inputs={"features": ("features", "rollouts")},
     # Continued SFT: start from a trained drafter; train on more feature sets (same map) too.
     optional_inputs={
