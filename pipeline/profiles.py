@@ -2,7 +2,9 @@
 
 A profile is a JSON file in pipeline/profiles/ holding only what differs from the defaults;
 `--config FILE` (JSON) is applied over it and `--set a.b=value` last. Unknown keys anywhere
-are errors that name the key.
+are errors that name the key. A profile's `kinds` section holds, per drafter kind, what differs
+for that student (say DFlash's SFT learning rate): it applies over the profile when the final
+config's `drafter.kind` is that kind, under `--config` and `--set`, which still win.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pipeline.stages import STAGES
 from storage import OpdError
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+KINDS_KEY = "kinds"
 
 
 class DraftingConfig(StrictConfig):
@@ -157,6 +160,8 @@ def load_config(
     if not path.exists():
         raise OpdError(f"unknown profile {profile!r}; available: {', '.join(profiles())}")
     data = json.loads(path.read_text())
+    by_kind = data.pop(KINDS_KEY, {})
+    user: dict[str, Any] = {}
     if config_file is not None:
         try:
             over = json.loads(Path(config_file).read_text())
@@ -172,9 +177,12 @@ def load_config(
                 f"config file {config_file} holds a JSON {type(over).__name__}; it must be an "
                 'object of sections, e.g. {"sft": {"lr": 0.001}}'
             )
-        data = _merge(data, over)
+        user = _merge(user, over)
     for item in sets:
-        data = _merge(data, parse_set(item))
+        user = _merge(user, parse_set(item))
+    drafter = _merge(data, user).get("drafter")
+    kind = drafter.get("kind", DrafterConfig().kind) if isinstance(drafter, dict) else None
+    data = _merge(_merge(data, by_kind.get(kind, {}) if isinstance(kind, str) else {}), user)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
