@@ -46,8 +46,8 @@ forward per step a small share of a verify forward on a CPU, while a single laye
 attention hop from the context to the block."""
 HEADS = ("draft", "target")
 DEFAULT_HEAD = "draft"
-"""A draft-vocab head keeps this CPU's per-slot head a fraction of the target's [V, H] one; the
-target's frozen head trains nothing there and covers every token (module docstring)."""
+"""What every drafter trained before the choice has; on this CPU its [Vd, H] matmul per drafted
+slot is a fraction of the target head's [V, H] one (module docstring)."""
 DEFAULT_ANCHORS = 256
 """Anchors per training sequence: the default profile's sequences (prompt + 96 new tokens) are
 shorter, so every trainable position becomes an anchor; longer ones are subsampled."""
