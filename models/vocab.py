@@ -56,6 +56,18 @@ class DraftVocab:
         t2d[chosen] = True
         return cls(chosen - torch.arange(draft_vocab_size, device=counts.device), t2d)
 
+    @classmethod
+    def full(cls, vocab_size: int) -> DraftVocab:
+        """The identity map: every target id is its own draft id (a full-vocabulary head)."""
+        return cls(
+            torch.zeros(vocab_size, dtype=torch.int64), torch.ones(vocab_size, dtype=torch.bool)
+        )
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the map is the identity: draft ids are target ids and any map reads them."""
+        return self.draft_vocab_size == self.vocab_size
+
     @property
     def vocab_size(self) -> int:
         return self.t2d.numel()

@@ -1,10 +1,12 @@
 """DFlash as a drafter kind: the block drafter of models/dflash/model.py behind the `Drafter`
 interface (its proposals in propose.py, its training forward in train.py).
 
-Head: a trained draft-vocabulary head over the features stage's frozen DraftVocab, as EAGLE-3's.
-The interface and every stage already carry that map (training teachers, acceptance, the
-decoding loop's `vocab_map`), and on this CPU a [Vd, H] head is a fraction of the target's
-[V, H] one per drafted slot; vLLM serves a shipped `lm_head` with `d2t` for dflash too.
+Head (setting `head`): "draft", a trained draft-vocabulary head over the features stage's frozen
+DraftVocab, as EAGLE-3's. The interface and every stage already carry that map (training
+teachers, acceptance, the decoding loop's `vocab_map`), and on this CPU a [Vd, H] head is a
+fraction of the target's [V, H] one per drafted slot; vLLM serves a shipped `lm_head` with `d2t`
+for dflash too. "target", the target's lm_head, frozen, over the identity map: the same code
+paths with Vd = V (models/dflash/model.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from models.acceptance import AcceptanceStats
 from models.dflash.model import (
     DEFAULT_ANCHORS,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_HEAD,
     DEFAULT_LAYERS,
     DFlashConfig,
     DFlashModel,
@@ -42,6 +45,7 @@ SETTINGS = {
     "layers": DEFAULT_LAYERS,
     "anchors": DEFAULT_ANCHORS,
     "mask_token_id": None,  # None: `models.dflash.model.default_mask_token`
+    "head": DEFAULT_HEAD,
 }
 
 
@@ -65,6 +69,8 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
                 f"unknown DFlash drafter settings {unknown}; DFlash takes {sorted(SETTINGS)}"
             )
         given = SETTINGS | dict(settings)
+        if given["head"] == "target":  # the target's head reads every id: the features' map is moot
+            vocab = DraftVocab.full(target.vocab_size)
         config = DFlashConfig.from_target(
             target.config,
             vocab.draft_vocab_size,
@@ -73,8 +79,23 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
             block_size=given["block_size"],
             mask_token_id=given["mask_token_id"],
             anchors=given["anchors"],
+            head=given["head"],
         )
-        return cls(config, target.embed_weight, vocab)
+        drafter = cls(config, target.embed_weight, vocab)
+        if config.head == "target":
+            drafter.take_target_head(target.lm_head_weight)
+        return drafter
+
+    def take_target_head(self, lm_head_weight: Tensor) -> None:
+        """Copy the target's lm_head [V, H] into this drafter's frozen head."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_weight)
+
+    def untrained(self) -> DFlashDrafter:
+        fresh = type(self)(self.config, self.embed_tokens.weight, self.vocab)
+        if self.config.head == "target":  # fresh weights around the same frozen head
+            fresh.take_target_head(self.lm_head.weight)
+        return fresh
 
     @classmethod
     def from_tensors(
@@ -103,6 +124,13 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
                     f"is {ours}; use the drafter trained for this target"
                 )
         self.check_embedding(target)
+        if self.config.head == "target":
+            ours, head = target.lm_head_weight, self.lm_head.weight
+            if not torch.equal(head.to(ours.device, ours.dtype), ours):
+                raise ValueError(
+                    "the drafter's frozen lm_head is not the target's; use the drafter trained "
+                    "for this target"
+                )
 
     # -- decoding -------------------------------------------------------------------------
 

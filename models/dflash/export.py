@@ -6,7 +6,9 @@ helpers): `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"` with the 
 `dflash_config` {target_layer_ids, mask_token_id, block_size}. Tensor names carry no `model.`
 prefix; `lm_head` [Vd, H] and `d2t` (draft vocab offsets) are kept by vLLM when shipped, `t2d` is
 skipped by its loader (kept here so an export reads back), `embed_tokens` is not shipped, so the
-target's is shared.
+target's is shared. A target head (`head: "target"`) ships its lm_head [V, H] and no `d2t`: vLLM
+sees a full draft vocab, finds the shipped head equal to the target's and shares the target's,
+and the export still reads back without the target's head.
 
 `target_layer_ids` use vLLM's layer-output convention: id l is HF `hidden_states[l+1]`, the state
 entering layer l+1, so they are this project's aux ids minus one.
@@ -25,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from models.dflash.drafter import DFlashDrafter
-from models.dflash.model import DFlashConfig
+from models.dflash.model import DEFAULT_HEAD, DFlashConfig
 from models.export import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -64,6 +66,7 @@ def dflash_config_json(cfg: DFlashConfig, target_identity: Mapping[str, Any] | N
             "drafter_kind": DFlashDrafter.kind,
             "target_num_hidden_layers": cfg.target_num_layers,
             "anchors": cfg.anchors,
+            "head": cfg.head,
             "target": dict(target_identity) if target_identity else None,
         },
     }
@@ -126,6 +129,7 @@ def load_dflash_export(export_dir: str | os.PathLike, embed_weight: Tensor) -> D
         block_size=dflash["block_size"],
         mask_token_id=dflash["mask_token_id"],
         anchors=ours["anchors"],
+        head=ours.get("head", DEFAULT_HEAD),  # exports from before the choice: a draft head
     )
     tensors = load_file(str(export_dir / WEIGHTS_FILE))
     if "d2t" not in tensors:  # a full draft vocab: the identity map

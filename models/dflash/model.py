@@ -8,6 +8,13 @@ target just emitted), fused once by `fc` + `hidden_norm`; every layer projects t
 tensor to its own keys and values (k-norm and rope at the context positions), exactly as vLLM's
 `qwen3_dflash` fills its draft KV cache. Queries come only from the block: a block sees its
 visible context and all of its own slots (bidirectional), never another block.
+
+Head (`head`, the pipeline's `drafter.head`): "draft" trains a [Vd, H] head over the features
+stage's frozen DraftVocab, as EAGLE-3's; "target" is the target's own lm_head [V, H], frozen,
+over the full vocabulary, as the public DFlash trainers do. A target head is a draft-vocab head
+whose map is the identity (`DraftVocab.full`), so teachers, losses, acceptance and the decoding
+loop's `vocab_map` read it unchanged; it is saved with the drafter and shipped in exports (vLLM
+shares the target's head when the shipped one equals it).
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ DEFAULT_LAYERS = 2
 """The embedded target has 6 layers: 2 draft layers over a 8-token block keep the one drafter
 forward per step a small share of a verify forward on a CPU, while a single layer has only one
 attention hop from the context to the block."""
+HEADS = ("draft", "target")
+DEFAULT_HEAD = "draft"
+"""What every drafter trained before the choice has; on this CPU its [Vd, H] matmul per drafted
+slot is a fraction of the target head's [V, H] one (module docstring)."""
 DEFAULT_ANCHORS = 256
 """Anchors per training sequence: the default profile's sequences (prompt + 96 new tokens) are
 shorter, so every trainable position becomes an anchor; longer ones are subsampled."""
@@ -65,6 +76,7 @@ class DFlashConfig:
     block_size: int
     mask_token_id: int
     anchors: int
+    head: str = DEFAULT_HEAD  # drafters saved before the choice existed have a draft head
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -86,6 +98,13 @@ class DFlashConfig:
             raise ValueError(
                 f"draft_vocab_size ({self.draft_vocab_size}) exceeds the target vocab "
                 f"({self.vocab_size})"
+            )
+        if self.head not in HEADS:
+            raise ValueError(f"DFlash head must be one of {list(HEADS)}, got {self.head!r}")
+        if self.head == "target" and self.draft_vocab_size != self.vocab_size:
+            raise ValueError(
+                f"a DFlash target head covers the full vocab ({self.vocab_size}), but "
+                f"draft_vocab_size is {self.draft_vocab_size}; build it with DraftVocab.full"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -110,6 +129,7 @@ class DFlashConfig:
         block_size: int = DEFAULT_BLOCK_SIZE,
         mask_token_id: int | None = None,
         anchors: int = DEFAULT_ANCHORS,
+        head: str = DEFAULT_HEAD,
     ) -> DFlashConfig:
         cfg = (
             target_hf_config.to_dict()
@@ -135,6 +155,7 @@ class DFlashConfig:
             block_size=block_size,
             mask_token_id=default_mask_token(cfg) if mask_token_id is None else mask_token_id,
             anchors=anchors,
+            head=head,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -267,8 +288,9 @@ class DFlashDecoderLayer(nn.Module):
 
 class DFlashModel(nn.Module):
     """fc + hidden_norm over the target's features, `num_layers` decoder layers, final norm and
-    a draft-vocab head. Parameter names follow vLLM's dflash checkpoints (`fc`, `hidden_norm`,
-    `layers.N.*`, `norm`, `lm_head`, `d2t`/`t2d`); `embed_tokens` is the target's, never saved."""
+    a draft-vocab head (frozen when it is the target's). Parameter names follow vLLM's dflash
+    checkpoints (`fc`, `hidden_norm`, `layers.N.*`, `norm`, `lm_head`, `d2t`/`t2d`);
+    `embed_tokens` is the target's, never saved."""
 
     def __init__(self, config: DFlashConfig, embed_weight: Tensor, vocab: DraftVocab) -> None:
         super().__init__()
@@ -294,6 +316,8 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        # The optimizer takes only trainable parameters, so a target head is never updated.
+        self.lm_head.weight.requires_grad_(config.head == "draft")
         self.rotary = RotaryEmbedding(config.rope_parameters, config.head_dim)
         self.register_buffer("d2t", vocab.d2t.clone())
         self.register_buffer("t2d", vocab.t2d.clone())

@@ -99,6 +99,10 @@ class DrafterConfig(StrictConfig):
     mask_token_id: int | None = optional_field(
         "dflash: the mask slots' token id (default: the target's pad token, else its last id)"
     )
+    head: Literal["draft", "target"] | None = optional_field(
+        "dflash: draft (default), a trained head over the features' draft vocab; target, the "
+        "target's own lm_head, frozen, over the full vocab"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DrafterConfig:
@@ -117,7 +121,7 @@ class DrafterConfig(StrictConfig):
 
     def settings(self) -> dict[str, Any]:
         """The kind's settings that were set (what `Drafter.new` takes)."""
-        names = ("block_size", "layers", "anchors", "mask_token_id")
+        names = ("block_size", "layers", "anchors", "mask_token_id", "head")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 

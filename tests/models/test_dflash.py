@@ -16,7 +16,7 @@ import models.decoding as spec
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.dflash.drafter import DFlashDrafter
 from models.dflash.export import export_dflash, load_dflash_export
-from models.dflash.model import DFlashModel, default_mask_token
+from models.dflash.model import DFlashConfig, DFlashModel, default_mask_token
 from models.dflash.train import block_loss, block_unroll, choose_anchors
 from models.drafter import ChainShape, CommittedRows, TreeShape
 from models.drafters import load_drafter, recorded_kind, save_drafter
@@ -60,7 +60,9 @@ def make_dflash(
     return DFlashDrafter.new(target, vocab, settings).eval()
 
 
-def fit_dflash(target: Target, sequences: list[list[int]], block_size: int = 5) -> DFlashDrafter:
+def fit_dflash(
+    target: Target, sequences: list[list[int]], block_size: int = 5, head: str = "draft"
+) -> DFlashDrafter:
     """A DFlash drafter overfit on the target's own greedy sequences, so blocks get accepted."""
     width = max(map(len, sequences))
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
@@ -68,7 +70,7 @@ def fit_dflash(target: Target, sequences: list[list[int]], block_size: int = 5) 
     for i, s in enumerate(sequences):
         ids[i, : len(s)], valid[i, : len(s)] = torch.tensor(s), True
     counts = torch.bincount(ids[valid], minlength=target.vocab_size).float()
-    drafter = make_dflash(target, 64, counts=counts, block_size=block_size)
+    drafter = make_dflash(target, 64, counts=counts, block_size=block_size, head=head)
     out = target.forward(ids)  # right padding is harmless under a causal mask
     teacher = teacher_draft_probs(out.logits, drafter.vocab, 0.0)
     opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
@@ -107,6 +109,49 @@ def test_greedy_equals_target_generate(tiny_llama: Target, greedy_case, which: s
     assert got == reference
     if which == "fitted":  # the equality must also have been tested on accepted blocks
         assert sum(accepted) > 60 and accepted.count(4) >= 5, accepted
+
+
+def test_a_target_head_is_the_targets_frozen_head_over_the_full_vocab(tiny_llama: Target):
+    drafter = make_dflash(tiny_llama, 64, seed=1, head="target")
+    assert drafter.config.head == "target" and drafter.vocab.is_full
+    assert drafter.config.draft_vocab_size == tiny_llama.vocab_size
+    assert torch.equal(drafter.lm_head.weight, tiny_llama.lm_head_weight)
+    assert not drafter.lm_head.weight.requires_grad and drafter.fc.weight.requires_grad
+    fresh = drafter.untrained()
+    assert torch.equal(fresh.lm_head.weight, tiny_llama.lm_head_weight)
+    assert not torch.equal(fresh.fc.weight, drafter.fc.weight)
+    assert make_dflash(tiny_llama, 64, seed=1).lm_head.weight.requires_grad  # the default
+    drafter.check_target(tiny_llama)
+    with torch.no_grad():
+        drafter.lm_head.weight[0, 0] += 1.0
+    with pytest.raises(ValueError, match="frozen lm_head is not the target's"):
+        drafter.check_target(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def target_head_case(tiny_llama: Target, greedy_case):
+    prompts, reference, _ = greedy_case
+    seqs = [p + r for p, r in zip(prompts, reference, strict=True)]
+    return fit_dflash(tiny_llama, seqs, head="target")
+
+
+@pytest.mark.parametrize(("which", "batch"), [("random", 12), ("fitted", 5)])
+def test_target_head_greedy_equals_target_generate(
+    tiny_llama: Target, greedy_case, target_head_case, which: str, batch: int
+):
+    prompts, reference, _ = greedy_case
+    fitted = target_head_case
+    drafter = fitted if which == "fitted" else make_dflash(tiny_llama, 64, seed=1, head="target")
+    cfg = SpecConfig(ChainShape(4), temperature=0.0, max_new_tokens=MAX_NEW, eos_token_ids=())
+    got, accepted = [], []
+    for i in range(0, len(prompts), batch):
+        result = speculative_generate(tiny_llama, drafter, prompts[i : i + batch], cfg)
+        got += result.sequences
+        accepted += result.steps["accepted"]
+    assert got == reference
+    if which == "fitted":  # trained around the frozen head, whose weights never moved
+        assert sum(accepted) > 60 and accepted.count(4) >= 5, accepted
+        assert torch.equal(fitted.lm_head.weight, tiny_llama.lm_head_weight)
 
 
 @pytest.mark.skipif(
@@ -403,6 +448,33 @@ def test_save_load_round_trip_records_the_kind(tiny_llama: Target, greedy_case, 
         load_drafter(tmp_path, tiny_llama.embed_weight, kind="eagle3")
 
 
+def test_target_head_checkpoint_round_trip_keeps_it_frozen(
+    tiny_llama: Target, target_head_case, tmp_path
+):
+    save_drafter(target_head_case, tmp_path)
+    loaded = load_drafter(tmp_path, tiny_llama.embed_weight, kind="dflash")
+    assert loaded.config == target_head_case.config and loaded.config.head == "target"
+    for name, t in target_head_case.tensors().items():
+        assert torch.equal(loaded.tensors()[name], t), name
+    assert torch.equal(loaded.lm_head.weight, tiny_llama.lm_head_weight)
+    assert not loaded.lm_head.weight.requires_grad
+    loaded.check_target(tiny_llama)
+
+
+def test_configs_saved_before_the_head_choice_load_as_draft_heads(tiny_llama: Target):
+    old = make_dflash(tiny_llama, 64).config.to_dict()
+    del old["head"]
+    assert DFlashConfig.from_dict(old).head == "draft"
+
+
+def test_bad_heads_are_one_line_errors(tiny_llama: Target):
+    with pytest.raises(ValueError, match="head must be one of"):
+        make_dflash(tiny_llama, 64, head="shared")
+    full = make_dflash(tiny_llama, 64, head="target").config
+    with pytest.raises(ValueError, match="target head covers the full vocab"):
+        DFlashConfig.from_dict(full.to_dict() | {"draft_vocab_size": 64})
+
+
 def test_bad_settings_are_one_line_errors(tiny_llama: Target):
     with pytest.raises(ValueError, match="block_size must be >= 2"):
         make_dflash(tiny_llama, 64, block_size=1)
@@ -443,6 +515,27 @@ def test_export_round_trips_in_vllms_dflash_format(tiny_llama: Target, tmp_path,
     prompts = random_prompts(3, tiny_llama.vocab_size, seed=7)
     cfg = SpecConfig(ChainShape(4), max_new_tokens=10, eos_token_ids=())
     a = speculative_generate(tiny_llama, drafter, prompts, cfg)
+    b = speculative_generate(tiny_llama, back, prompts, cfg)
+    assert a.records == b.records
+
+
+def test_a_target_head_exports_its_head_and_no_vocab_map(
+    tiny_llama: Target, target_head_case, tmp_path
+):
+    out = export_dflash(target_head_case, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == config["vocab_size"] == tiny_llama.vocab_size
+    assert config["opd_pipeline"]["head"] == "target"
+    shipped = load_file(str(out / "model.safetensors"))
+    assert "d2t" not in shipped and "t2d" not in shipped
+    # vLLM shares the target's head when the shipped one equals it: the same head either way.
+    assert torch.equal(shipped["lm_head.weight"], tiny_llama.lm_head_weight)
+    back = load_dflash_export(out, tiny_llama.embed_weight)
+    assert back.config == target_head_case.config and not back.lm_head.weight.requires_grad
+    assert torch.equal(back.probe_logits(3), target_head_case.probe_logits(3))
+    prompts = random_prompts(3, tiny_llama.vocab_size, seed=7)
+    cfg = SpecConfig(ChainShape(4), max_new_tokens=10, eos_token_ids=())
+    a = speculative_generate(tiny_llama, target_head_case, prompts, cfg)
     b = speculative_generate(tiny_llama, back, prompts, cfg)
     assert a.records == b.records
 

@@ -23,15 +23,19 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def dflash_sft(embedded: Embedded, generated) -> Dataset:
+def _dflash_sft(embedded: Embedded, generated: Dataset, *sets: str) -> Dataset:
     # a block of K+1: vLLM feeds [bonus, K mask tokens], the block the drafter was trained on
     cfg = load_config(
-        "default", None, [*SETS, "drafter.kind=dflash", f"drafter.block_size={K + 1}"]
+        "default", None, [*SETS, "drafter.kind=dflash", f"drafter.block_size={K + 1}", *sets]
     )
     ctx = embedded.ctx
     feats = run_stage(features.STAGE, cfg.features, {"trajectories": generated}, ctx).dataset
     return run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
+
+
+@pytest.fixture(scope="module")
+def dflash_sft(embedded: Embedded, generated) -> Dataset:
+    return _dflash_sft(embedded, generated)
 
 
 def _eval(embedded: Embedded, drafter: Dataset, *args: str):
@@ -40,16 +44,25 @@ def _eval(embedded: Embedded, drafter: Dataset, *args: str):
     return CliRunner().invoke(cli, [*cmd, *args, "--backend", "vllm", *sets])
 
 
-def test_a_dflash_export_speculates_losslessly_in_vllm(embedded: Embedded, dflash_sft):
-    # `opd eval --backend vllm`'s path: export (dflash format, checksummed), engine, counters
-    res = _eval(embedded, dflash_sft, "--k", str(K), "--temperature", "0", "--json")
+@pytest.mark.parametrize("head", ["draft", "target"])
+def test_a_dflash_export_speculates_losslessly_in_vllm(
+    embedded: Embedded, generated, dflash_sft, head: str
+):
+    # `opd eval --backend vllm`'s path: export (dflash format, checksummed), engine, counters.
+    # A target head ships the target's lm_head and no d2t: vLLM must serve exactly that head.
+    drafter = (
+        dflash_sft if head == "draft" else _dflash_sft(embedded, generated, "drafter.head=target")
+    )
+    res = _eval(embedded, drafter, "--k", str(K), "--temperature", "0", "--json")
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout)
     keys = ("tau", "tau_vllm", "vllm_lossless", "vllm_matches_project")
     print(json.dumps({k: stats[k] for k in keys}))
     assert stats["vllm_lossless"] == 1.0  # vLLM's speculative output equals its plain greedy
     assert stats["vllm_matches_project"] >= 0.9
-    assert stats["vllm_drafts"] > 0 and stats["tau"] > 1.2
+    # Blocks must get accepted, so a format mistake shows as a tau collapse; a frozen target head
+    # leaves the CI-sized 80 steps fewer weights to fit, hence its lower floor.
+    assert stats["vllm_drafts"] > 0 and stats["tau"] > {"draft": 1.2, "target": 1.15}[head]
     assert abs(stats["tau_vllm"] / stats["tau"] - 1) <= 0.10
 
 

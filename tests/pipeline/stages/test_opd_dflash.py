@@ -115,3 +115,33 @@ def test_another_kinds_data_and_losses_that_do_not_apply_are_refused(env):
     with pytest.raises(OpdError, match=r"opd.loss=tv over all replayed positions does not apply"):
         run_stage(opd.STAGE, opd.Config(**OPD | {"loss": "tv"}), inputs, ctx)
     assert {name: len(store.listing(name)) for name in before} == before  # nothing committed
+
+
+def test_a_target_head_runs_the_opd_loop_and_stays_the_targets(env):
+    store, ctx, eagle, _, made, _ = env
+    feats, prompts = (
+        store.open(eagle.inputs["features"]),
+        store.open(made["dflash"].inputs["prompts"]),
+    )
+    head = DrafterConfig(kind="dflash", block_size=4, layers=1, head="target")
+    how = dict(batch_size=4, val_share=0.2, lr=1e-2, bf16=False, ttt_steps=K, tau_k=K)
+    block = run_stage(sft.STAGE, sft.Config(steps=4, drafter=head, **how), {"features": feats}, ctx)
+    drafter = block.dataset
+    rolled = run_stage(
+        rollout.STAGE, rollout_cfg(k=K), {"prompts": prompts, "drafter": drafter}, ctx
+    ).dataset
+    # score checks the drafter's map against the rollouts' (the features' pruned one): an
+    # identity map reads it
+    replays = run_stage(
+        score.STAGE, score.Config(k=K), {"rollouts": rolled, "drafter": drafter}, ctx
+    ).dataset
+    inputs = {"replays": replays, "rollouts": rolled, "drafter": drafter}
+    ds = run_stage(opd.STAGE, opd.Config(**OPD), inputs, ctx).dataset
+    assert ds.meta["trained"] is True
+    before, after = (
+        load_file(drafter.file("model.safetensors")),
+        load_file(ds.file("model.safetensors")),
+    )
+    target = ctx.target_loader.target
+    assert torch.equal(after["lm_head.weight"], target.lm_head_weight.cpu())
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])

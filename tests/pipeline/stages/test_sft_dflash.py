@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from models.dflash.drafter import DFlashDrafter
 from models.drafters import load_drafter, recorded_kind
 from pipeline.core import drafters, training
+from pipeline.core.checks import vocab_of
 from pipeline.core.config import DrafterConfig, version_dict
 from pipeline.core.export import export_drafter
 from pipeline.core.runner import run_stage
@@ -71,8 +72,13 @@ def test_the_drafter_section_leaves_eagle3_versions_unchanged_and_is_strict():
     dflash = load_config("tiny", sets=["drafter.kind=dflash", "drafter.block_size=8"])
     assert version_dict(dflash.sft)["drafter"]["kind"] == "dflash"
     assert version_dict(dflash.sft) != version_dict(plain.sft)
+    assert "head" not in version_dict(dflash.sft)["drafter"]  # unset: versions stay as they were
+    target_head = load_config("tiny", sets=["drafter.kind=dflash", "drafter.head=target"])
+    assert version_dict(target_head.sft)["drafter"]["head"] == "target"
     bad = (
         (["drafter.block_size=8"], "DFlash setting"),
+        (["drafter.head=target"], "drafter.head is a DFlash setting"),
+        (["drafter.kind=dflash", "drafter.head=shared"], "head"),
         (["drafter.kind=dflash", "drafter.block_size=3"], "raise drafter.block_size"),
         (["drafter.kind=dflash", "drafter.blocks=3"], "blocks"),
         (["drafter.kind=medusa"], "kind"),
@@ -95,3 +101,22 @@ def test_a_dflash_drafter_exports_in_its_own_format_only(tiny_features, tmp_path
     assert '"method": "dflash"' in info["vllm_command"]
     assert f'"num_speculative_tokens": {DFLASH.block_size - 1}' in info["vllm_command"]
     assert info["tree_note"] is None  # EAGLE-3's note on trees does not apply to a block
+
+
+def test_sft_never_moves_a_target_head(tiny_features, tmp_path):  # noqa: F811
+    store, ctx, feats = tiny_features
+    head = DrafterConfig(kind="dflash", block_size=4, layers=1, head="target")
+    cfg = sft.Config(steps=3, lr=1e-2, **(FAST | {"drafter": head}))
+    ds = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    target = ctx.target_loader.target
+    trained = load_drafter(ds.path, target.embed_weight, kind="dflash")
+    assert trained.config.head == "target" and not trained.lm_head.weight.requires_grad
+    assert torch.equal(trained.lm_head.weight, target.lm_head_weight)  # bit for bit
+    fresh = sft.new_drafter(target, trained.vocab, cfg.seed, head)
+    assert not torch.equal(trained.fc.weight, fresh.fc.weight)  # the rest did train
+    # Its identity map reads data made with the features' pruned one (continued SFT, export).
+    assert vocab_of(feats)["d2t"].numel() < target.vocab_size
+    more = cfg.model_copy(update={"steps": 1})
+    run_stage(sft.STAGE, more, {"features": feats, "drafter": ds}, ctx)
+    info = export_drafter(ds, ctx.target_loader, None, tmp_path / "out", 3)
+    assert info["format"] == "dflash" and info["max_logit_diff"] == 0.0
