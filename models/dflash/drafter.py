@@ -239,4 +239,4 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
         anchors = torch.tensor([[3, 6]], device=device)  # [N, A]
         tokens = torch.randint(0, cfg.vocab_size, (1, 2), generator=g).to(device)
         visible = torch.arange(9, device=device)[None, None] < anchors[..., None]  # [N, A, S]
-        return self(self.block_tokens(tokens), anchors, context, visible)  # [N, A, B, Vd]
+        return self(self.block_tokens(tokens), anchors, context, visible)  # [N, A, B-1, Vd]

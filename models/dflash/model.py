@@ -355,14 +355,18 @@ class DFlashModel(nn.Module):
         anchor_positions: Tensor,
         context: Sequence[tuple[Tensor, Tensor]],
         visible: Tensor,
+        drafts: int | None = None,
     ) -> Tensor:
-        """Draft logits [N, A, B, Vd] fp32 of blocks [N, A, B] anchored at `anchor_positions`
-        [N, A], over the per-layer context keys/values (`context_kv`) [N, kv, S, d] of which
-        block a reads the slots `visible` [N, A, S]. Slot 0's logits (the anchor's) are unused."""
+        """Draft logits [N, A, K, Vd] fp32 of the drafted slots 1..K (K = `drafts`, default
+        B-1) of blocks [N, A, B] anchored at `anchor_positions` [N, A], over the per-layer
+        context keys/values (`context_kv`) [N, kv, S, d] of which block a reads the slots
+        `visible` [N, A, S]. The head runs on those K slots only: the anchor's slot drafts
+        nothing, and with the target's head each slot costs a [V, H] product."""
         N, A, B = blocks.shape
         positions = anchor_positions[..., None] + torch.arange(B, device=blocks.device)
         x = self.embed_tokens(blocks).to(self.fc.weight.dtype)  # [N, A, B, H]
         cos, sin = self.rotary(positions.reshape(N, A * B), x.dtype)  # [N, AB, d]
         for layer, (k_ctx, v_ctx) in zip(self.layers, context, strict=True):
             x = layer(x, cos, sin, k_ctx, v_ctx, visible)  # [N, A, B, H]
-        return self.lm_head(self.norm(x)).float()  # [N, A, B, Vd]
+        x = x[:, :, 1 : 1 + (B - 1 if drafts is None else drafts)]  # [N, A, K, H]
+        return self.lm_head(self.norm(x)).float()  # [N, A, K, Vd]

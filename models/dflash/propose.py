@@ -78,7 +78,8 @@ class DFlashProposer:
                 rows.positions[index, last][:, None] + 1,  # [B, 1]
                 list(zip(self.cache.keys, self.cache.values, strict=True)),
                 self.valid[:, None],  # [B, 1, S]
-            )[:, 0, 1 : 1 + int(budget.max())]  # [B, K, Vd]
+                int(budget.max()),
+            )[:, 0]  # [B, K, Vd]
         return self._drafts(logits)
 
     def _drafts(self, logits: Tensor) -> Proposal:

@@ -101,7 +101,7 @@ def block_unroll(
     context = drafter.context_kv(aux_hidden, positions.expand(N, T))  # per layer [N, kv, T, d]
     visible = positions < everything[..., None]  # [N, A', T] context strictly before the anchor
     blocks = drafter.block_tokens(input_ids.gather(1, everything))  # [N, A', B]
-    logits = drafter(blocks, everything, context, visible)[:, :, 1 : 1 + steps]  # [N, A', K, Vd]
+    logits = drafter(blocks, everything, context, visible, steps)  # [N, A', K, Vd]
     label = anchors[..., None] + torch.arange(1, steps + 1, device=device)  # [N, A, K]
     trained = keep.gather(1, label.clamp(max=T - 1).view(N, -1)).view(label.shape)
     replayed = None if replays is None else logits[item, A + column]  # [R, K, Vd]
@@ -224,7 +224,7 @@ def replay_blocks(
     context = drafter.context_kv(aux_hidden[:width].to(device)[None], positions[None])
     visible = (positions < starts[:, None])[None]  # [1, C, S]
     blocks = drafter.block_tokens(ids[starts][None])  # [1, C, B]
-    logits = drafter(blocks, starts[None], context, visible)[0, :, 1 : 1 + k]  # [C, K, Vd]
+    logits = drafter(blocks, starts[None], context, visible, k)[0]  # [C, K, Vd]
     log_q = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # [C, K, Vd]
     if temperature == 0:
         draft, logq = logits.argmax(-1), torch.zeros(C, k, device=device)
