@@ -9,8 +9,9 @@ forwards, and the decoder's own work; it emits accepted + 1 tokens. So
 with verify(n) the target's seconds for a forward over n tokens, c the seconds of one drafter
 forward, o the decoder's seconds per step, and L, F, accepted per step under K drafts and stop
 threshold s (`models.drafter.ChainShape.stop_confidence`); each prompt adds its prefill forward
-and the token it emits. With no threshold, L = F = K and
-E[accepted + 1] = tau(K) = 1 + sum_k prod_{i<=k} alpha_i.
+and the token it emits. With no threshold, L = K and E[accepted + 1] = tau(K) =
+1 + sum_k prod_{i<=k} alpha_i; F = K for a chain drafter (one forward per draft), F = 1 for a
+block drafter (`Drafter.drafts_blocks`: DFlash drafts every slot in one forward, whatever K).
 
 The per-step quantities come from one calibration decode at the deepest K with no threshold:
 its log has, per step, the drafts' confidences and how many were accepted. Drafting stops and
@@ -49,6 +50,7 @@ class StepCosts:
     drafter_s: float  # one drafter forward
     overhead_s: float = 0.0  # the decoder's own work per verify step
     prefill_s: float = 0.0  # one prompt's prefill forward (it also emits the first token)
+    blocks: bool = False  # one drafter forward drafts the whole chain (Drafter.drafts_blocks)
 
 
 @dataclass(frozen=True)
@@ -86,18 +88,25 @@ def steps_from_log(records: Mapping[str, list], steps: Mapping[str, list]) -> li
     return out
 
 
-def replay_step(step: LoggedStep, k: int, threshold: float) -> tuple[int, int, int]:
+def replay_step(
+    step: LoggedStep, k: int, threshold: float, *, blocks: bool = False
+) -> tuple[int, int, int]:
     """(drafts proposed L, drafter forwards F, accepted) of a logged step under (K, threshold).
 
-    The drafter runs one forward per draft; a stop after draft L costs the forward that drafted
-    the first draft below the threshold (L + 1), unless the chain was full (L = K)."""
+    A chain drafter runs one forward per draft, and a stop after draft L costs the forward that
+    drafted the first draft below the threshold (L + 1), unless the chain was full (L = K); the
+    stop reads the running product of confidences. A block drafter (`blocks`) runs one forward
+    for every slot and the stop cuts the block at its first slot below the threshold, as the
+    decoding loop does."""
     budget = min(k, len(step.confidence))
     if threshold > 0:
         conf = torch.tensor([step.confidence[:budget]], dtype=torch.float64)
-        kept = int(confident_length(conf, threshold)[0])
+        kept = int(confident_length(conf, threshold, joint=not blocks)[0])
         forwards = min(budget, kept + 1)
     else:
         kept = forwards = budget
+    if blocks:
+        forwards = min(budget, 1)
     return kept, forwards, min(step.accepted, kept)
 
 
@@ -114,7 +123,7 @@ def predict(
     emitted, seconds = float(prompts), prompts * costs.prefill_s
     drafts = forwards = 0.0
     for step in steps:
-        kept, fwd, accepted = replay_step(step, k, threshold)
+        kept, fwd, accepted = replay_step(step, k, threshold, blocks=costs.blocks)
         emitted += accepted + 1
         seconds += costs.verify_s[kept + 1] + fwd * costs.drafter_s + costs.overhead_s
         drafts += kept
@@ -278,6 +287,7 @@ def calibrate(
         drafter_s=run["drafter_s_per_forward"],
         overhead_s=run["overhead_s_per_step"],
         prefill_s=measure_prefill(target, prompts),
+        blocks=drafter.drafts_blocks,
     )
     return logged, costs, run
 

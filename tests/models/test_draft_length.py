@@ -38,6 +38,22 @@ def test_replay_step_under_k_and_threshold():
     assert replay_step(LoggedStep(0, ()), 3, 0.5) == (0, 0, 0)
 
 
+def test_a_block_drafter_pays_one_forward_and_stops_per_slot():
+    step = LoggedStep(accepted=2, confidence=(0.9, 0.5, 0.9))
+    assert replay_step(step, 3, 0.0, blocks=True) == (3, 1, 2)
+    assert replay_step(step, 1, 0.0, blocks=True) == (1, 1, 1)
+    # a block is cut at its first slot below the threshold, not by the running product
+    assert replay_step(step, 3, 0.42, blocks=True) == (3, 1, 2)
+    assert replay_step(step, 3, 0.6, blocks=True) == (1, 1, 1)
+    assert replay_step(step, 3, 0.95, blocks=True) == (0, 1, 0)
+    assert replay_step(LoggedStep(0, ()), 3, 0.0, blocks=True) == (0, 0, 0)
+    costs = StepCosts(COSTS.verify_s, COSTS.drafter_s, COSTS.overhead_s, blocks=True)
+    p = predict([step], costs, 3)
+    # verify(4) + ONE drafter forward + overhead, whatever K
+    assert p.drafter_forwards_per_step == 1.0
+    assert p.tokens_per_s == pytest.approx(3 / (2.5 + 0.2 + 0.1))
+
+
 def test_predict_adds_steps_and_prefills():
     steps = [LoggedStep(2, (0.9, 0.5, 0.9)), LoggedStep(0, (0.3, 0.9, 0.9))]
     p = predict(steps, COSTS, 2)
