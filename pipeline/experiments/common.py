@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,8 +93,20 @@ def sft_steps_for_budget(data: list[Dataset], cfg: sft.Config, budget: int) -> i
         )
         return [int(index.lengths[b].sum()) * cfg.unroll_depth for b in batches]
 
-    per_epoch = len(plan(0))
-    return opd.steps_for_budget(budget, lambda s: plan(s // per_epoch)[s % per_epoch])
+    return opd.steps_for_budget(budget, lambda s: nth_step(plan, s))
+
+
+def nth_step(plan: Callable[[int], list[int]], step: int) -> int:
+    """The value of optimizer step `step` when the trainer runs epoch 0, 1, ... end to end;
+    `plan(epoch)` lists one value per batch. Epochs may hold different numbers of batches
+    (`max_tokens` packs each epoch's shuffle differently), so no step is found by divmod."""
+    epoch = 0
+    while step >= len(plan(epoch)):
+        if not plan(epoch):
+            raise OpdError("an epoch of the training data holds no batch")
+        step -= len(plan(epoch))
+        epoch += 1
+    return plan(epoch)[step]
 
 
 def seed_stats(values: list[float]) -> dict[str, Any]:
