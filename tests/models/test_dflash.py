@@ -96,16 +96,22 @@ def greedy_case(tiny_llama: Target):
 # ---------------------------------------------------------------------------- decoding
 
 
+def greedy_blocks(target: Target, drafter, prompts, batch: int) -> tuple[list, list[int]]:
+    """Greedy K=4 block decoding of `prompts` in batches: (sequences, accepted per step)."""
+    cfg = SpecConfig(ChainShape(4), temperature=0.0, max_new_tokens=MAX_NEW, eos_token_ids=())
+    got, accepted = [], []
+    for i in range(0, len(prompts), batch):
+        result = speculative_generate(target, drafter, prompts[i : i + batch], cfg)
+        got += result.sequences
+        accepted += result.steps["accepted"]
+    return got, accepted
+
+
 @pytest.mark.parametrize(("which", "batch"), [("random", 12), ("fitted", 1), ("fitted", 5)])
 def test_greedy_equals_target_generate(tiny_llama: Target, greedy_case, which: str, batch: int):
     prompts, reference, fitted = greedy_case
     drafter = fitted if which == "fitted" else make_dflash(tiny_llama, 64, seed=1)
-    cfg = SpecConfig(ChainShape(4), temperature=0.0, max_new_tokens=MAX_NEW, eos_token_ids=())
-    got, accepted = [], []
-    for i in range(0, len(prompts), batch):
-        result = speculative_generate(tiny_llama, drafter, prompts[i : i + batch], cfg)
-        got += result.sequences
-        accepted += result.steps["accepted"]
+    got, accepted = greedy_blocks(tiny_llama, drafter, prompts, batch)
     assert got == reference
     if which == "fitted":  # the equality must also have been tested on accepted blocks
         assert sum(accepted) > 60 and accepted.count(4) >= 5, accepted
@@ -142,12 +148,7 @@ def test_target_head_greedy_equals_target_generate(
     prompts, reference, _ = greedy_case
     fitted = target_head_case
     drafter = fitted if which == "fitted" else make_dflash(tiny_llama, 64, seed=1, head="target")
-    cfg = SpecConfig(ChainShape(4), temperature=0.0, max_new_tokens=MAX_NEW, eos_token_ids=())
-    got, accepted = [], []
-    for i in range(0, len(prompts), batch):
-        result = speculative_generate(tiny_llama, drafter, prompts[i : i + batch], cfg)
-        got += result.sequences
-        accepted += result.steps["accepted"]
+    got, accepted = greedy_blocks(tiny_llama, drafter, prompts, batch)
     assert got == reference
     if which == "fitted":  # trained around the frozen head, whose weights never moved
         assert sum(accepted) > 60 and accepted.count(4) >= 5, accepted
