@@ -31,33 +31,46 @@ class AcceptanceStats:
     chain_k: int
 
     @classmethod
-    def zeros(cls, steps: int, chain_k: int) -> AcceptanceStats:
-        z = torch.zeros(steps, dtype=torch.float64)
+    def zeros(cls, steps: int, chain_k: int, device: torch.device | str = "cpu") -> AcceptanceStats:
+        """Sums on the device of the logits they count: a CPU copy per batch would make every
+        training step on a GPU wait for it, and NCCL reduces only device tensors."""
+        z = torch.zeros(steps, dtype=torch.float64, device=device)
         return cls(
             z,
             z.clone(),
             z.clone(),
-            torch.zeros((), dtype=torch.float64),
-            torch.zeros((), dtype=torch.float64),
+            torch.zeros((), dtype=torch.float64, device=device),
+            torch.zeros((), dtype=torch.float64, device=device),
             chain_k,
         )
 
     def __add__(self, other: AcceptanceStats) -> AcceptanceStats:
+        dev = self.hits.device
         return AcceptanceStats(
-            self.hits + other.hits,
-            self.valid + other.valid,
-            self.alpha_sum + other.alpha_sum,
-            self.chain_rows + other.chain_rows,
-            self.chain_len + other.chain_len,
+            self.hits + other.hits.to(dev),
+            self.valid + other.valid.to(dev),
+            self.alpha_sum + other.alpha_sum.to(dev),
+            self.chain_rows + other.chain_rows.to(dev),
+            self.chain_len + other.chain_len.to(dev),
             self.chain_k,
         )
 
     def all_reduce(self) -> AcceptanceStats:
         """Sum over ranks (no-op in a single process)."""
+        dev = self.hits.device
         flat = torch.cat(
-            [self.hits, self.valid, self.alpha_sum, self.chain_rows[None], self.chain_len[None]]
+            [
+                self.hits,
+                self.valid.to(dev),
+                self.alpha_sum.to(dev),
+                self.chain_rows[None].to(dev),
+                self.chain_len[None].to(dev),
+            ]
         )
         if dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "nccl" and flat.device.type == "cpu":
+                # NCCL reduces only GPU tensors (a CPU target under torchrun on a GPU node)
+                flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         k = len(self.hits)
         return AcceptanceStats(

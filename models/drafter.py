@@ -365,7 +365,8 @@ class FrozenEmbeddingDrafter(Drafter):
                     f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
                     f"{tuple(expected[name].shape)}"
                 )
-        drafter.to(tensors["fc.weight"].dtype)
+        # on the embedding's device: the drafter runs beside the target whose embedding it shares
+        drafter.to(device=embed_weight.device, dtype=tensors["fc.weight"].dtype)
         # `.to()` may have cast the shared embedding; re-attach the target's own tensor.
         drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
         drafter.load_state_dict(tensors, strict=False)
@@ -379,7 +380,8 @@ class FrozenEmbeddingDrafter(Drafter):
         }
 
     def untrained(self) -> Drafter:
-        return type(self)(self.config, self.embed_tokens.weight, self.vocab)
+        fresh = type(self)(self.config, self.embed_tokens.weight, self.vocab)
+        return fresh.to(self.fc.weight.device)  # where this one runs: beside its embedding
 
     def frozen_embedding(self) -> Tensor:
         return self.embed_tokens.weight

@@ -80,7 +80,9 @@ def read_export(export_dir: str | os.PathLike, embed_weight: Tensor | None) -> D
         cls = drafter_class(kind)
     except ValueError as err:
         raise ExportError(f"{export_dir}: {err}") from None
-    return cls.read_export(Path(export_dir), embed_weight)
+    drafter = cls.read_export(Path(export_dir), embed_weight)
+    # beside the target whose embedding it shares (a drafter split over two devices cannot run)
+    return drafter if embed_weight is None else drafter.to(embed_weight.device)
 
 
 @torch.no_grad()

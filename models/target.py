@@ -233,6 +233,9 @@ class Target:
                 f"{past + length} keys exceed the target's sliding window of {self._window}; "
                 "sliding-window attention is not supported past the window"
             )
+        input_ids = input_ids.to(self.device)  # as the mask: callers may hand host tensors
+        if position_ids is not None:
+            position_ids = position_ids.to(self.device)
         captured: dict[int, Tensor] = {}
         hooks = [
             self._layers[k].register_forward_pre_hook(_capture_input(captured, k), with_kwargs=True)
@@ -329,7 +332,8 @@ class Target:
         alone. Cost: the context once plus sum(L) branch tokens, instead of one full-prefix pass per
         branch. The context part of the result equals a plain forward over the context.
         """
-        context = torch.as_tensor(context_ids, dtype=torch.long).reshape(-1)
+        # the positions and the mask are built on the CPU and moved once
+        context = torch.as_tensor(context_ids, dtype=torch.long).reshape(-1).cpu()
         num_ctx = context.numel()
         if num_ctx == 0:
             raise ValueError("score_tree needs a non-empty context")
@@ -337,7 +341,7 @@ class Target:
             raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
         parsed = []
         for i, (anchor, tokens) in enumerate(branches):
-            tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+            tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
             if not 1 <= anchor <= num_ctx:
                 raise ValueError(
                     f"branch {i}: anchor {anchor} must be in [1, {num_ctx}] (the branch needs at "

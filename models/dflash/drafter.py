@@ -93,6 +93,7 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
 
     def untrained(self) -> DFlashDrafter:
         fresh = type(self)(self.config, self.embed_tokens.weight, self.vocab)
+        fresh = fresh.to(self.fc.weight.device)  # where this one runs: beside its embedding
         if self.config.head == "target":  # fresh weights around the same frozen head
             fresh.take_target_head(self.lm_head.weight)
         return fresh

@@ -147,7 +147,7 @@ def block_acceptance(
     K = out.logits.shape[2]
     if not 1 <= chain_k <= K:
         raise ValueError(f"chain_k must be in [1, {K}] (the drafted slots), got {chain_k}")
-    stats = AcceptanceStats.zeros(K, chain_k)
+    stats = AcceptanceStats.zeros(K, chain_k, target_logits.device)
     choice = _at_slots(target_logits.argmax(-1), out.anchors, K)  # [N, A, K]
     hit = (vocab.to_target(out.logits.argmax(-1)) == choice) & out.valid
     if expected:

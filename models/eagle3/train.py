@@ -133,7 +133,7 @@ def ttt_acceptance(
     if not 1 <= chain_k <= K:
         raise ValueError(f"chain_k must be in [1, {K}] (the unrolled steps), got {chain_k}")
     B, T, _ = target_logits.shape
-    stats = AcceptanceStats.zeros(K, chain_k)
+    stats = AcceptanceStats.zeros(K, chain_k, target_logits.device)
     target_choice = target_logits.argmax(-1)  # [B, T]
     p_full = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False) if expected else None
     chain_alive = torch.ones(B, T, dtype=torch.bool, device=target_logits.device)

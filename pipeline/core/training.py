@@ -122,8 +122,14 @@ def full_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def all_reduce_sum(t: Tensor) -> Tensor:
     """Sum `t` over ranks in place (no-op in a single process); returns `t`."""
-    if distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    if not distributed():
+        return t
+    if dist.get_backend() == "nccl" and t.device.type == "cpu":
+        # NCCL reduces only GPU tensors; these sums are a handful of numbers
+        on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM)
+        return t.copy_(on_gpu)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 

@@ -43,7 +43,7 @@ def validate(
     expected alpha and the simulated taus (all ranks)."""
     vocab = drafter.vocab
     device = next(drafter.parameters()).device
-    stats = AcceptanceStats.zeros(ttt_steps, tau_k)
+    stats = AcceptanceStats.zeros(ttt_steps, tau_k, device)
     loss_sum = torch.zeros(2, dtype=torch.float64)  # [sum of loss x tokens, tokens]
     was_training = drafter.training
     drafter.eval()

@@ -27,7 +27,8 @@ def test_kill_9_at_a_random_write_then_rerun_gives_identical_shards(reference, s
     where = f"{phase} write {n} of {len(writes)} ({writes[n - 1]})"
     killed = subprocess.run(
         [sys.executable, "-m", "tests.faults.killer", str(n), phase, "--", *opd_args(root, stage)],
-        env=os.environ | {"PYTHONPATH": str(REPO)},
+        env=os.environ
+        | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
         capture_output=True,
         text=True,
         timeout=600,

@@ -73,8 +73,7 @@ def test_one_sft_step_on_cuda_equals_the_cpu(cpu_and_cuda):
     for ctx in (cpu, cuda):
         target = ctx.target_loader.target
         drafter = sft.new_drafter(target, vocab, seed=0)
-        unroll = sft.TTTUnroll(drafter, sft_cfg.ttt_steps)
-        out = sft.train_step(unroll, batch, target, drafter.vocab, sft_cfg)
+        out = sft.train_step(drafter.training_module(), drafter, batch, target, sft_cfg)
         out.loss.backward()
         losses.append(out.loss.detach().cpu())
         grads.append(

@@ -22,6 +22,7 @@ from pipeline.core.targets import (
     EMBEDDED_TARGET,
     TargetConfig,
     TargetLoader,
+    resolve_dtype,
     target_for,
     target_spec,
 )
@@ -341,9 +342,11 @@ def test_a_conflicting_explicit_target_is_an_error_naming_both(trained, tmp_path
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"), "--profile", "default")
     one_line_error(r, "made with a different target than this command names")
     assert f"target.path: '{target_dir.resolve()}' ({ref}) vs 'embedded' (this command)" in r.output
+    made = resolve_dtype(TargetConfig())  # `auto`: fp32 on a CPU, bf16 on a GPU
+    other = "float32" if made == "bfloat16" else "bfloat16"
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"),
-            "--set", "target.dtype=bfloat16")  # fmt: skip
-    one_line_error(r, "target.dtype: 'float32'")
+            "--set", f"target.dtype={other}")  # fmt: skip
+    one_line_error(r, f"target.dtype: '{made}'")
     assert not (tmp_path / "a").exists()
 
 
@@ -363,7 +366,7 @@ def test_a_single_stage_run_takes_the_target_of_its_inputs(trained):
     recorded = Store(root).open("features@latest").meta["target_config"]
     assert recorded == {
         "path": str(target_dir.resolve()),
-        "dtype": "float32",
+        "dtype": resolve_dtype(TargetConfig()),
         "aux_layer_ids": [1, 2, 3],
     }
 
@@ -384,7 +387,7 @@ def test_target_for_rules(tmp_path):
     assert target_for([unrecorded], default, stated=False) == default
     # the recorded target, with the dtype it was made in (`auto` resolved)
     got = target_for([unrecorded, random], default, stated=False)
-    assert target_spec(got) == target_spec(tiny) and got.dtype == "float32"
+    assert target_spec(got) == target_spec(tiny) and got.dtype == resolve_dtype(tiny)
     assert target_for([random], tiny, stated=True) == tiny
     with pytest.raises(OpdError, match="were made with different targets.*target.path: 'random'"):
         target_for([random, embedded], default, stated=False)

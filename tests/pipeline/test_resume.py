@@ -16,7 +16,8 @@ SETS = ["--set", "features.rows_per_shard=1", "--set", "features.batch_size=1"]
 
 
 def _opd(root: Path, *args: str) -> subprocess.Popen:
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    repo = str(Path(__file__).resolve().parents[2])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(
         [sys.executable, "-m", "cli.main", "--root", str(root), *args],
         env=env,

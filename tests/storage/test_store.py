@@ -1,3 +1,4 @@
+import importlib.metadata
 import json
 import os
 import signal
@@ -27,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_proc(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONPATH": str(REPO)}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    }
     p = subprocess.run(
         [sys.executable, str(PROC), str(root), *args], env=env, capture_output=True, text=True
     )
@@ -108,7 +111,7 @@ def test_commit_resolve_and_lineage(tmp_path):
     m = traj.manifest
     assert m["inputs"] == {"prompts": str(ds.ref)}
     assert set(m["provenance"]) >= {"git", "packages", "command", "started_at", "committed_at"}
-    assert m["provenance"]["packages"]["torch"].startswith("2.13")
+    assert m["provenance"]["packages"]["torch"] == importlib.metadata.version("torch")
     assert m["shards"][0]["sha256"] and m["shards"][0]["rows"] == 1
 
 
@@ -235,7 +238,9 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, mode):
 def test_sigkill_at_a_random_moment_then_resume(tmp_path):
     ref_root, root = tmp_path / "ref", tmp_path / "crash"
     run_proc(ref_root, "6")
-    env = os.environ | {"PYTHONPATH": str(REPO)}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    }
     p = subprocess.Popen([sys.executable, str(PROC), str(root), "6", "slow", "0.3"], env=env)
     deadline = time.time() + 60
     while time.time() < deadline and not list(root.glob("features/*/shard-00001.arrow")):
@@ -247,7 +252,9 @@ def test_sigkill_at_a_random_moment_then_resume(tmp_path):
 
 
 def test_concurrent_writers_end_with_one_complete_dataset(tmp_path):
-    env = os.environ | {"PYTHONPATH": str(REPO)}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    }
     procs = [
         subprocess.Popen(
             [sys.executable, str(PROC), str(tmp_path), "4", "slow", "0.05"],

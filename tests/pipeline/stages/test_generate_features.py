@@ -68,9 +68,12 @@ def test_features_cache_matches_a_fresh_forward(tiny):
         for i, ids in enumerate(table.column("input_ids").to_pylist()):
             out = target(torch.tensor([ids]))
             torch.testing.assert_close(
-                aux[off[i] : off[i + 1]].float(), out.aux_hidden[0], atol=0.05, rtol=0.02
+                aux[off[i] : off[i + 1]].float(),
+                out.aux_hidden[0].float().cpu(),
+                atol=0.05,
+                rtol=0.02,
             )
-            assert torch.equal(last[off[i] : off[i + 1]], out.last_hidden[0].bfloat16())
+            assert torch.equal(last[off[i] : off[i + 1]], out.last_hidden[0].bfloat16().cpu())
             seen += 1
     assert seen == 12
     # the vocab map is built from loss-masked counts only

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from models.drafters import load_drafter
 from models.kv import KVCache
 from models.losses import replay_loss
+from models.vocab import DraftVocab
 from pipeline.core import drafters, training
 from pipeline.core.drafters import load_drafter_dataset
 from pipeline.core.runner import RunContext, run_stage
@@ -51,7 +52,8 @@ def make_replays(
     """Replays in the contract's schema: tokens drafted at random from the draft vocab, scored by
     the real target (score_tree), accept_prob = greedy agreement (a T=0 replay)."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = load_drafter(drafter_ds.path, target.embed_weight).vocab
+    on_device = load_drafter(drafter_ds.path, target.embed_weight).vocab
+    vocab = DraftVocab(on_device.d2t.cpu(), on_device.t2d.cpu())  # drafted on the host
     index = training.FeatureIndex(rollouts, ["input_ids", "loss_mask"])
     rows = []
     for r, seq_id in enumerate(index.keys):
@@ -70,6 +72,7 @@ def make_replays(
             branches.append((e, vocab.to_target(draft)))
         scores = target.score_tree(ids, branches)
         for (e, tokens), hidden, lp in zip(branches, scores.hidden, scores.log_probs, strict=True):
+            hidden, lp = hidden.cpu(), lp.cpu()  # the reference math runs on the host
             accept = (lp[:-1].argmax(-1) == tokens).float()
             reach = torch.cat([torch.ones(1), torch.cumprod(accept, 0)[:-1]])
             rows.append(

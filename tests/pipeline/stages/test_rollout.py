@@ -87,8 +87,12 @@ def test_rollout_writes_every_file_and_equals_greedy_decoding(env, greedy):
     for i, ids in enumerate(table.column("input_ids").to_pylist()):
         out = target(torch.tensor([ids]))
         rows = slice(off[i], off[i + 1])
-        torch.testing.assert_close(aux[rows].float(), out.aux_hidden[0], atol=0.05, rtol=0.02)
-        torch.testing.assert_close(last[rows].float(), out.last_hidden[0], atol=0.05, rtol=0.02)
+        torch.testing.assert_close(
+            aux[rows].float(), out.aux_hidden[0].float().cpu(), atol=0.05, rtol=0.02
+        )
+        torch.testing.assert_close(
+            last[rows].float(), out.last_hidden[0].float().cpu(), atol=0.05, rtol=0.02
+        )
 
     again = run_stage(rollout.STAGE, rollout_cfg(), {"prompts": prompts, "drafter": drafter}, ctx)
     assert again.reused and again.ref == ds.ref
@@ -217,15 +221,17 @@ def test_sampled_rollout_logs_what_the_drafter_proposed(env):
     rows = log.filter(pl.col("seq_id") == first)
     blocks = rows.group_by("step", maintain_order=True).agg("anchor", "token", "q")
     full = [b for b in blocks.iter_rows(named=True) if len(b["token"]) == cfg.k]
-    ids = torch.tensor(table.column("input_ids")[0].as_py())[None]
-    anchors = torch.tensor([b["anchor"][0] for b in full])
-    tokens = torch.tensor([b["token"] for b in full])
-    item = torch.zeros(len(full), dtype=torch.long)
+    dev = target.device
+    ids = torch.tensor(table.column("input_ids")[0].as_py(), device=dev)[None]
+    anchors = torch.tensor([b["anchor"][0] for b in full], device=dev)
+    tokens = torch.tensor([b["token"] for b in full], device=dev)
+    item = torch.zeros(len(full), dtype=torch.long, device=dev)
+    aux = aux[off[0] : off[1]][None].to(dev)
     with torch.no_grad():
-        out = drafter.unroll(aux[off[0] : off[1]][None], ids, None, cfg.k, (item, anchors, tokens))
-        q = torch.softmax(drafter.replay_logits(out, item, anchors), -1)  # [N, K, Vd] at T=1
+        out = drafter.unroll(aux, ids, None, cfg.k, (item, anchors, tokens))
+        q = torch.softmax(drafter.replay_logits(out, item, anchors), -1).cpu()  # [N, K, Vd] T=1
     logged_q = torch.tensor([b["q"] for b in full])
-    drafted_q = q.gather(-1, drafter.vocab.to_draft(tokens)[..., None])[..., 0]
+    drafted_q = q.gather(-1, drafter.vocab.to_draft(tokens).cpu()[..., None])[..., 0]
     torch.testing.assert_close(drafted_q, logged_q, rtol=0.05, atol=1e-6)
     logged = rows.filter(pl.col("step").is_in([b["step"] for b in full]))["confidence"]
     assert (logged.to_torch() >= logged_q.reshape(-1) - 1e-6).all()

@@ -67,17 +67,22 @@ def log_positions(rollouts) -> dict[str, dict[str, set[int]]]:
 def chain_alone(drafter, aux, ids, e: int, k: int, temperature: float, forced=None):
     """The reference: ONE chain from anchor e with a plain causal cache (no batching, no masks)."""
     cache = KVCache()
-    ids = torch.tensor(ids)
-    hidden = drafter.fuse(aux[None, : e - 1])
-    logits, h = drafter(ids[None, 1:e], hidden, torch.arange(e - 1)[None], cache=cache)
+    dev = drafter.fc.weight.device
+    ids = torch.tensor(ids, device=dev)
+    hidden = drafter.fuse(aux[None, : e - 1].to(dev))
+    logits, h = drafter(ids[None, 1:e], hidden, torch.arange(e - 1, device=dev)[None], cache=cache)
     logits, h = logits[:, -1:], h[:, -1:]
     tokens, logq = [], []
     for j in range(k):
         if j:
-            step = torch.tensor([[tokens[-1]]])
-            logits, h = drafter(step, h, torch.tensor([[e - 2 + j]]), cache=cache)
+            step = torch.tensor([[tokens[-1]]], device=dev)
+            logits, h = drafter(step, h, torch.tensor([[e - 2 + j]], device=dev), cache=cache)
         lq = torch.log_softmax(logits[0, -1] / (temperature or 1.0), -1)
-        draft = lq.argmax() if forced is None else drafter.vocab.to_draft(torch.tensor(forced[j]))
+        draft = (
+            lq.argmax()
+            if forced is None
+            else drafter.vocab.to_draft(torch.tensor(forced[j], device=dev))
+        )
         tokens.append(int(drafter.vocab.to_target(draft)))
         logq.append(float(lq[draft]))
     return tokens, logq
@@ -155,8 +160,9 @@ def test_greedy_replays_are_the_drafters_own_chains_and_teachers_are_exact(env):
         assert r["tokens"] == tokens  # the batched replay equals the drafter drafting alone
         assert r["logq"] == [0.0] * cfg.k
         out = target(torch.tensor([ids[:e] + tokens]))
-        plain = torch.log_softmax(out.logits[0, e - 1 : e - 1 + cfg.k], -1)  # [K, V]
-        teacher = torch.log_softmax(target.logits_from_hidden(torch.tensor(r["teacher"])), -1)
+        plain = torch.log_softmax(out.logits[0, e - 1 : e - 1 + cfg.k], -1).cpu()  # [K, V]
+        teacher = target.logits_from_hidden(torch.tensor(r["teacher"], device=target.device))
+        teacher = torch.log_softmax(teacher, -1).cpu()
         worst = max(worst, float((plain - teacher).abs().max()))
         hit = (plain.argmax(-1) == torch.tensor(tokens)).float().tolist()
         assert r["p_token"] == hit and r["accept_prob"] == hit
@@ -181,8 +187,9 @@ def test_sampled_replays_carry_behaviour_logq_and_consistent_acceptance(env):
         _, logq = chain_alone(drafter, aux, ids, e, cfg.k, 1.0, forced=r["tokens"])
         np.testing.assert_allclose(r["logq"], logq, atol=1e-4)  # the drafter's own probability
         out = target(torch.tensor([ids[:e] + r["tokens"]]))
-        plain = torch.log_softmax(out.logits[0, e - 1 : e - 1 + cfg.k], -1)
-        teacher = torch.log_softmax(target.logits_from_hidden(torch.tensor(r["teacher"])), -1)
+        plain = torch.log_softmax(out.logits[0, e - 1 : e - 1 + cfg.k], -1).cpu()
+        teacher = target.logits_from_hidden(torch.tensor(r["teacher"], device=target.device))
+        teacher = torch.log_softmax(teacher, -1).cpu()
         worst = max(worst, float((plain - teacher).abs().max()))
         log_p = plain.gather(1, torch.tensor(r["tokens"])[:, None])[:, 0]
         np.testing.assert_allclose(r["p_token"], log_p.exp(), rtol=1e-3, atol=1e-7)

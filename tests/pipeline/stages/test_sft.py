@@ -74,7 +74,7 @@ def test_sft_trains_and_writes_a_loadable_drafter(tiny_features):
     # reloading the drafter from the dataset reproduces the final validation exactly
     target = ctx.target_loader.target
     drafter = load_drafter(ds.path, target.embed_weight)
-    assert torch.equal(drafter.d2t, load_file(feats.file(features.VOCAB_FILE))["d2t"])
+    assert torch.equal(drafter.d2t.cpu(), load_file(feats.file(features.VOCAB_FILE))["d2t"])
     index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
     _, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
     loader = training.FeatureLoader(
@@ -299,7 +299,7 @@ def test_sft_loss_scores_step_k_against_the_teacher_at_t_plus_k_plus_1(tiny_feat
     v = load_file(feats.file(features.VOCAB_FILE))
     drafter = sft.new_drafter(target, DraftVocab(v["d2t"], v["t2d"]), seed=0)
     index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
-    b = index.collate([0, 3, 5])
+    b = validation.to_device(index.collate([0, 3, 5]), target.device)
     mask = b["loss_mask"].bool()
     out = drafter.unroll(b["aux_hidden"], b["input_ids"], mask, 4)
     teacher = teacher_draft_probs(target.logits_from_hidden(b["last_hidden"]), drafter.vocab)
