@@ -270,7 +270,7 @@ class Trainer:
         )
 
     def _data_position(self, step: int) -> list[int]:
-        return list(divmod(step, self.per_epoch))
+        return list(self.loader.position(step))
 
     def _resume(self) -> None:
         ckpt = self.checkpointer
@@ -361,7 +361,7 @@ class Trainer:
         )
         t_start, wait_start = time.perf_counter(), self.loader.wait_seconds
         tokens_run, row_steps_run, side_seconds = 0, 0, 0.0
-        epoch, position = divmod(self.step, self.per_epoch)
+        epoch, position = self.loader.position(self.step)
         try:
             with contextlib.closing(self.loader.iterate(epoch, position, epochs=None)) as batches:
                 for batch in batches:

@@ -390,7 +390,8 @@ class FeatureLoader:
         # Pinned in the producer thread, off the training step's critical path.
         self.pin_memory = pin_memory
         self.wait_seconds = 0.0
-        self._len = len(self.plan(0))
+        self._epoch_lens: dict[int, int] = {}
+        self._len = self._epoch_len(0)
 
     def plan(self, epoch: int) -> list[list[int]]:
         """This rank's batches (row ids) of `epoch`."""
@@ -424,8 +425,24 @@ class FeatureLoader:
         return parts
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank (the same every epoch)."""
+        """Batches of epoch 0 on this rank. Under `max_tokens` each epoch's shuffle packs into
+        its own number of batches: find a step's batch with `position`, never by divmod."""
         return self._len
+
+    def _epoch_len(self, epoch: int) -> int:
+        if epoch not in self._epoch_lens:
+            self._epoch_lens[epoch] = len(self._parts(epoch))
+        return self._epoch_lens[epoch]
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, batch index) of the `step`-th batch (from 0) when epochs run end to end."""
+        epoch = 0
+        while step >= (n := self._epoch_len(epoch)):
+            if n == 0:
+                raise OpdError("an epoch of the training data holds no batch")
+            step -= n
+            epoch += 1
+        return epoch, step
 
     def iterate(
         self, epoch: int, start: int = 0, *, epochs: int | None = 1

@@ -409,7 +409,7 @@ def steps_for_budget(budget: int, step_cost: Callable[[int], int]) -> int:
 
 def _cycle(loader: training.FeatureLoader, start: int) -> Iterator[training.PaddedBatch]:
     """Batches from global batch index `start` on, epoch after epoch (the CE anchor's stream)."""
-    epoch, position = divmod(start, len(loader))
+    epoch, position = loader.position(start)
     while True:
         with contextlib.closing(loader.iterate(epoch, position)) as batches:
             yield from batches
@@ -608,7 +608,7 @@ def _total_steps(cfg: Config, data: _Data, world_size: int) -> int:
     """`steps`, else the steps whose row-steps reach `budget_row_steps`, else `epochs` passes."""
     if cfg.steps is not None or cfg.budget_row_steps is None:
         return cfg.epoch_steps(len(data.train))
-    per_epoch, anchor = len(data.train), data.anchor
+    anchor = data.anchor
 
     @functools.cache
     def replay_costs(epoch: int) -> list[int]:
@@ -633,10 +633,10 @@ def _total_steps(cfg: Config, data: _Data, world_size: int) -> int:
         )
 
     def step_cost(step: int) -> int:
-        epoch, position = divmod(step, per_epoch)
+        epoch, position = data.train.position(step)
         cost = replay_costs(epoch)[position]
         if anchor is not None:
-            epoch, position = divmod(step, len(anchor))
+            epoch, position = anchor.position(step)
             cost += anchor_costs(epoch)[position]
         return cost
 

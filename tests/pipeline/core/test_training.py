@@ -152,6 +152,25 @@ def test_plan_is_deterministic_and_resumable(index):
     endless.close()
 
 
+def test_a_steps_batch_is_found_epoch_after_epoch_whatever_their_lengths(index):
+    # 204 rows (each of the 17 twelve times) span two sort windows of 128, so max_tokens packs
+    # each epoch's shuffle into its own number of batches: 138, 139, 139, ... for this seed
+    loader = training.FeatureLoader(index, list(range(17)) * 12, batch_size=2, max_tokens=16)
+    lens = [len(loader.plan(e)) for e in range(4)]
+    assert len(set(lens)) > 1 and len(loader) == lens[0]  # where divmod by one epoch is wrong
+    stream = [rows for e in range(4) for rows in loader.plan(e)]
+    for step in range(len(stream)):
+        epoch, i = loader.position(step)
+        assert loader.plan(epoch)[i] == stream[step]
+    # a run resumed at a step sees the batches the uninterrupted run saw from there
+    epoch, i = loader.position(300)
+    resumed = loader.iterate(epoch, i, epochs=None)
+    assert [next(resumed).rows.tolist() for _ in range(5)] == stream[300:305]
+    resumed.close()
+    with pytest.raises(OpdError, match="no batch"):
+        training.FeatureLoader(index, [], batch_size=2, max_tokens=16).position(0)
+
+
 def test_unshuffled_loader_without_equal_ranks_keeps_order(index):
     rows = [2, 4, 6, 8, 10]
     plans = [
