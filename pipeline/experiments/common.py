@@ -188,6 +188,7 @@ class Warmup:
     drafter: Dataset
     budget: int  # row-steps the warm-up's own training ran
     tau: dict[str, float]  # evaluated, by temperature
+    alpha: dict[str, list[float]]  # evaluated acceptance per draft offset, by temperature
 
 
 def warm_up(run: Runner, cfg: PipelineConfig, prompts: Dataset | None) -> Warmup:
@@ -200,28 +201,33 @@ def warm_up(run: Runner, cfg: PipelineConfig, prompts: Dataset | None) -> Warmup
         steps, external = steps[1:], {"prompts": prompts}
     out = run.chain(steps, external) | external
     drafter = out["sft"]
+    evaluated = evaluate_drafter(run, "warmup", cfg, out["prompts"], drafter)
     return Warmup(
         out["prompts"],
         out["features"],
         drafter,
         sft_budget(drafter),
-        evaluate_taus(run, "warmup", cfg, out["prompts"], drafter),
+        evaluated["tau"],
+        evaluated["alpha"],
     )
 
 
-def evaluate_taus(
+def evaluate_drafter(
     run: Runner, key: str, cfg: PipelineConfig, prompts: Dataset, drafter: Dataset
-) -> dict[str, float]:
-    taus = {}
+) -> dict[str, dict[str, Any]]:
+    """{"tau": tau, "alpha": acceptance per draft offset (chain position or block slot)}, each
+    by temperature, decoding the held-out prompts."""
+    out: dict[str, dict[str, Any]] = {"tau": {}, "alpha": {}}
     for t in TEMPERATURES:
-        # tau only: no plain-decoding timing, no untrained-drafter contrast (the warm-up is it)
+        # no plain-decoding timing, no untrained-drafter contrast (the warm-up is it)
         ecfg = cfg.evaluate.model_copy(
             update={"temperature": t, "measure_baseline": False, "untrained_contrast": False}
         )
-        taus[str(t)] = run.stage(
+        meta = run.stage(
             f"{key}:eval-T{t}", evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": drafter}
-        ).meta["tau"]
-    return taus
+        ).meta
+        out["tau"][str(t)], out["alpha"][str(t)] = meta["tau"], meta["alpha"]
+    return out
 
 
 def arm_budget(warm: Warmup, budget: int | None, budget_ratio: float) -> int:
@@ -318,7 +324,7 @@ def opd_arm(
         "replays": [out[f"score-r{r}"].meta.get("replays") for r in n],
         "rollout_tau": [d.meta.get("tau") for d in rollouts],
         "rollout_tokens": [d.meta.get("tokens") for d in rollouts],
-        "tau": evaluate_taus(run, f"{key}:opd", cfg, warm.prompts, final),
+        **evaluate_drafter(run, f"{key}:opd", cfg, warm.prompts, final),
         "val": [val_curve(d) for d in opd_sets if d.meta.get("trained")],
         "heldout_curve": curve,
     }
@@ -361,7 +367,7 @@ def sft_arm(
         "steps": steps,
         "budget_row_steps": sft_budget(cont),
         "data_rollout_tokens": data.meta.get("tokens"),
-        "tau": evaluate_taus(run, f"s{seed}:sft-continued", cfg, warm.prompts, cont),
+        **evaluate_drafter(run, f"s{seed}:sft-continued", cfg, warm.prompts, cont),
         "val": val_curve(cont),
         "heldout_curve": [p | {"round": None} for p in heldout_curve(cont, warm.budget)],
     }

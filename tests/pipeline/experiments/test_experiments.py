@@ -126,10 +126,20 @@ def test_opd_vs_sft_writes_a_report_dataset(opd_vs_sft):
     assert sorted(opd0["tau"]) == sorted(result["tau_opd_per_seed"])
     curves = pl.read_parquet(report.file("heldout_curve.parquet"))
     assert set(curves["arm"]) == {"sft_continued", "opd"} and set(curves["seed"]) == {0, 1}
+    # acceptance by draft offset: one row per arm and temperature, the mean of the seeds' evals
+    alpha = pl.read_parquet(report.file("alpha.parquet"))
+    assert alpha.height == 3 * 2 and "alpha_1" in alpha.columns
+    for t in (0.0, 1.0):
+        got = alpha.filter((pl.col("arm") == "opd") & (pl.col("temperature") == t))["alpha_1"]
+        seeds = [r["opd"]["alpha"][str(t)][0] for r in result["runs"]]
+        assert got.item() == pytest.approx(sum(seeds) / len(seeds), abs=1e-3)
+    warm_first = result["warmup"]["alpha"]["0.0"][0]
+    assert 0.0 <= warm_first <= 1.0
     for png in ("tau.png", "plateau.png"):
         assert report.file(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = report.file("report.md").read_text()
     assert "![held-out tau vs row-steps](plateau.png)" in md and "opd experiment ..." in md
+    assert "## Acceptance by draft offset" in md and "alpha_1" in md
     assert f"{result['opd_over_sft_continued']:.3f}" in md
     assert report.meta["tau_opd"] == result["tau_opd"]
 
@@ -301,6 +311,9 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
         result["runs"][0][arm]["drafter"] for arm in ("sft_continued", "opd")
     ]
     assert {recorded_kind(store.open(ref).path) for ref in refs} == {"dflash"}
+    # per block slot, up to the deepest slot decoding reached (the tiny drafter may reach few)
+    alpha = result["runs"][0]["opd"]["alpha"]["0.0"]
+    assert 1 <= len(alpha) <= result["k"] and all(0.0 <= a <= 1.0 for a in alpha)
 
     clash = CliRunner().invoke(
         cli, [*args, "--drafter-kind", "dflash", "--set", "drafter.kind=eagle3"]
