@@ -213,7 +213,7 @@ def _run(
     for key, r in results.items():
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
     if stage == "full":
-        from pipeline.core.export import export_chain_result
+        from pipeline.chains import export_chain_result
 
         info = export_chain_result(results, ctx.target_loader, store.root, cfg.drafting.k)
         if info is not None:

@@ -19,8 +19,14 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from pipeline import distributed
-from pipeline.chains import CHAINS, Step, record_results, run_chain, summary_markdown
-from pipeline.core.export import export_chain_result
+from pipeline.chains import (
+    CHAINS,
+    Step,
+    export_chain_result,
+    record_results,
+    run_chain,
+    summary_markdown,
+)
 from pipeline.core.runner import RunContext, StageResult, planned_ref, run_stage
 from pipeline.core.targets import TargetConfig, TargetLoader
 from pipeline.profiles import load_config

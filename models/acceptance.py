@@ -45,27 +45,19 @@ class AcceptanceStats:
         )
 
     def __add__(self, other: AcceptanceStats) -> AcceptanceStats:
-        dev = self.hits.device
         return AcceptanceStats(
-            self.hits + other.hits.to(dev),
-            self.valid + other.valid.to(dev),
-            self.alpha_sum + other.alpha_sum.to(dev),
-            self.chain_rows + other.chain_rows.to(dev),
-            self.chain_len + other.chain_len.to(dev),
+            self.hits + other.hits,
+            self.valid + other.valid,
+            self.alpha_sum + other.alpha_sum,
+            self.chain_rows + other.chain_rows,
+            self.chain_len + other.chain_len,
             self.chain_k,
         )
 
     def all_reduce(self) -> AcceptanceStats:
         """Sum over ranks (no-op in a single process)."""
-        dev = self.hits.device
         flat = torch.cat(
-            [
-                self.hits,
-                self.valid.to(dev),
-                self.alpha_sum.to(dev),
-                self.chain_rows[None].to(dev),
-                self.chain_len[None].to(dev),
-            ]
+            [self.hits, self.valid, self.alpha_sum, self.chain_rows[None], self.chain_len[None]]
         )
         if dist.is_available() and dist.is_initialized():
             if dist.get_backend() == "nccl" and flat.device.type == "cpu":

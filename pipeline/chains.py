@@ -9,11 +9,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from models.drafters import drafter_class
 from pipeline import stages
 from pipeline.core.config import StrictConfig
+from pipeline.core.drafters import drafter_kind
+from pipeline.core.export import EXPORTS_DIR, export_drafter
 from pipeline.core.runner import RunContext, StageResult, run_stage
 from pipeline.core.stage import Stage
+from pipeline.core.targets import TargetLoader
 from pipeline.profiles import PipelineConfig
 from storage import Dataset, OpdError
 
@@ -148,3 +153,21 @@ def summary_markdown(results: dict[str, StageResult]) -> str:
         tau_s = f"{tau:.3f}" if isinstance(tau, int | float) else ""
         lines.append(f"| {key} | `{r.ref}` | {status} | {tau_s} |")
     return "\n".join(lines)
+
+
+def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int) -> dict | None:
+    """The `export` step of the full chain: the last drafter a chain produced, in every format
+    of its kind, under <root>/_exports/<NAME-VERSION>/<format> (replaced when the chain runs
+    again). Returns the first format's info plus `formats` (None: no drafter)."""
+    drafters = [
+        r.dataset
+        for r in results.values()
+        if r.dataset is not None and r.ref.name in ("sft", "opd")
+    ]
+    if not drafters:
+        return None
+    last = drafters[-1]
+    base = root / EXPORTS_DIR / str(last.ref).replace("@", "-")
+    formats = drafter_class(drafter_kind(last)).export_formats
+    infos = [export_drafter(last, loader, f, base / f, k, overwrite=True) for f in formats]
+    return infos[0] | {"formats": list(formats)}

@@ -1,6 +1,8 @@
-"""`export`: write a trained drafter (an `sft` or `opd` dataset) as a directory vLLM loads.
+"""Write a trained drafter (an `sft` or `opd` dataset) as a directory vLLM loads.
 
-Not a dataset stage: the output is a plain directory for serving (`--out`, or
+Not a dataset stage, and below the stages: `opd export`, the full chain's export step
+(`pipeline.chains.export_chain_result`) and evaluate's vLLM backend (`ensure_export`) all call
+it. The output is a plain directory for serving (`--out`, or
 `<root>/_exports/<drafter ref>/<format>` in the full chain). Every invariant of DESIGN §7 is
 checked by `models.export` before a file is written, and the written directory is read back
 and must give the trained module's logits (bit-exact in fp32) before the export is reported.
@@ -329,24 +331,6 @@ def export_drafter(
         "tree_note": TREE_NOTE if drafter.serve_method == "eagle3" else None,
         "warnings": warnings,
     }
-
-
-def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int) -> dict | None:
-    """The `export` step of the full chain: the last drafter a chain produced, in every format
-    of its kind, under <root>/_exports/<NAME-VERSION>/<format> (replaced when the chain runs
-    again). Returns the first format's info plus `formats` (None: no drafter)."""
-    drafters = [
-        r.dataset
-        for r in results.values()
-        if r.dataset is not None and r.ref.name in ("sft", "opd")
-    ]
-    if not drafters:
-        return None
-    last = drafters[-1]
-    base = root / EXPORTS_DIR / str(last.ref).replace("@", "-")
-    formats = drafter_class(drafter_kind(last)).export_formats
-    infos = [export_drafter(last, loader, f, base / f, k, overwrite=True) for f in formats]
-    return infos[0] | {"formats": list(formats)}
 
 
 def ensure_export(
