@@ -81,7 +81,7 @@ def read_export(export_dir: str | os.PathLike, embed_weight: Tensor | None) -> D
     except ValueError as err:
         raise ExportError(f"{export_dir}: {err}") from None
     drafter = cls.read_export(Path(export_dir), embed_weight)
-    # beside the target whose embedding it shares (a drafter split over two devices cannot run)
+    # beside the target: a speculators export reads its own embedding onto the host
     return drafter if embed_weight is None else drafter.to(embed_weight.device)
 
 
