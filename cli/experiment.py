@@ -116,6 +116,12 @@ def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
     help="Sample the fresh target sequences continued SFT trains on at this temperature "
     "[default: the OPD rollouts' temperature].",
 )
+@click.option(
+    "--speed",
+    is_flag=True,
+    help="Also time the first seed's warm-up, continued-SFT and Draft-OPD drafters against "
+    "plain decoding on the held-out prompts, side by side, into the report.",
+)
 @click.pass_obj
 def opd_vs_sft_cmd(
     store: Store,
@@ -127,6 +133,7 @@ def opd_vs_sft_cmd(
     budget_ratio: float,
     drafter_kind: str,
     sft_data_temperature: float | None,
+    speed: bool,
     prompts_ref: str | None,
     as_json: bool,
 ) -> None:
@@ -147,6 +154,7 @@ def opd_vs_sft_cmd(
     if sft_data_temperature is not None:
         args += ["--sft-data-temperature", f"{sft_data_temperature:g}"]
     args += ["--prompts", prompts_ref] if prompts_ref else []
+    args += ["--speed"] if speed else []
     result = opd_vs_sft.opd_vs_sft(
         cfg,
         ctx,
@@ -157,6 +165,7 @@ def opd_vs_sft_cmd(
         sft_data_temperature=sft_data_temperature,
         prompts=store.open(prompts_ref) if prompts_ref else None,
         command=_command_line(store, args),
+        speed=speed,
     )
     click.echo(json.dumps(result, indent=2) if as_json else opd_vs_sft.summary_text(result))
 

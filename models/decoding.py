@@ -94,6 +94,10 @@ class SpecConfig:
     max_new_tokens: int = 64
     seed: int = 0
     eos_token_ids: tuple[int, ...] | None = None
+    keep_teacher: bool = False
+    """Keep each verify step's teacher: the target's post-norm last hidden at the state
+    predicting each draft (chains only). It is conditioned on the drafts before it, so it is
+    the teacher on-policy distillation wants, for free; it costs [N, H] bf16 per step."""
 
 
 @dataclass
@@ -108,6 +112,9 @@ class SpecResult:
       drafted = nodes within the row's budget (a chain's block length), emitted = tokens the
       step committed.
     stats: see `_stats`.
+    teacher: with `keep_teacher`, [R, N, H] bf16 on the host, row r for steps' row r: the
+      verify forward's last hidden at the state predicting node n (zeros past the block), so
+      softmax(lm_head(teacher) / T) is the target's distribution there, given the drafts < n.
     """
 
     sequences: list[list[int]]
@@ -115,6 +122,7 @@ class SpecResult:
     records: dict[str, list]
     steps: dict[str, list]
     stats: dict[str, Any] = field(default_factory=dict)
+    teacher: Tensor | None = None
 
 
 @dataclass
@@ -135,6 +143,10 @@ def speculative_generate(
 ) -> SpecResult:
     """Speculative decoding of `prompts` with `drafter` proposing and `target` verifying."""
     _check_config(cfg.shape, cfg.temperature, cfg.max_new_tokens)
+    if cfg.keep_teacher and not isinstance(cfg.shape, ChainShape):
+        raise ValueError(
+            "keep_teacher keeps a chain's teachers; a tree node's teacher sits at its parent"
+        )
     _check_prompts(prompts, target.vocab_size)
     if isinstance(cfg.shape, TreeShape):
         check_tree_fits(target, max(map(len, prompts)), cfg.max_new_tokens, cfg.shape.budget)
@@ -168,6 +180,10 @@ def speculative_generate(
         counts["verify"] += 1
         verdict = _accept(proposal, out.logits, budget, depth, eos, cfg.temperature, gen)
         entry = _step_log(state, len(logged), budget, proposal, verdict)
+        if cfg.keep_teacher:  # input 0 is the last committed token: it predicts draft 1
+            in_block = verdict.usable[..., None]  # [B, K, 1]: past a row's block, no teacher
+            teacher = torch.where(in_block, out.last_hidden[:, :depth], 0.0)
+            entry["teacher"] = teacher.to(torch.bfloat16).cpu()  # [B, K, H]
         rows, entry["path_tokens"], entry["emitted"] = _commit(
             target, state, proposal, verdict, out.aux_hidden, start, eos
         )
@@ -829,6 +845,8 @@ def _padded(logged: list[dict[str, Any]]) -> dict[str, Tensor]:
             if value.dim() == 2:
                 value = F.pad(value, (0, width - value.shape[1]))
             row[name] = value
+        if "teacher" in s:
+            row["teacher"] = F.pad(s["teacher"], (0, 0, 0, width - s["teacher"].shape[1]))
         for name, value in row.items():
             merged.setdefault(name, []).append(value)
     return {name: torch.cat(parts) for name, parts in merged.items()}
@@ -909,4 +927,5 @@ def _result(
         records=_records(merged, tree),
         steps={name: merged[name].tolist() if logged else [] for name in step_columns},
         stats=_stats(merged, cfg.shape, counts, timer),
+        teacher=merged.get("teacher") if cfg.keep_teacher else None,
     )

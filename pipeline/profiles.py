@@ -108,6 +108,16 @@ class _PipelineBase(StrictConfig):
                 object.__setattr__(self, stage.name, tied)
         return self
 
+    @model_validator(mode="after")
+    def _logged_replays_keep_teachers(self) -> _PipelineBase:
+        # score.source=logged reads the teachers the rollout's verify forwards computed: one
+        # setting, so a user cannot ask for logged replays from a rollout that dropped them.
+        score, rollout = self.score, self.rollout  # type: ignore[attr-defined]
+        if score.source == "logged" and not rollout.keep_teacher:
+            kept = type(rollout).model_validate(rollout.model_dump() | {"keep_teacher": True})
+            object.__setattr__(self, "rollout", kept)
+        return self
+
 
 # One section per stage, derived from the stage list so adding a stage never touches this file.
 PipelineConfig = create_model(  # type: ignore[call-overload]

@@ -565,8 +565,11 @@ class DatasetWriter:
             lambda p: pq.write_table(table, p, compression="zstd", write_statistics=True),
         )
 
-    def write_ipc(self, shard: str, table: pa.Table | list[pa.RecordBatch]) -> None:
-        """Uncompressed Arrow IPC file, so readers can memory-map it zero-copy."""
+    def write_ipc(
+        self, shard: str, table: pa.Table | list[pa.RecordBatch], fmt: str = "ipc"
+    ) -> None:
+        """Uncompressed Arrow IPC file, so readers can memory-map it zero-copy. Another `fmt`
+        marks a side table that readers of the dataset's `ipc` rows must not take for one."""
         batches = table.to_batches() if isinstance(table, pa.Table) else table
         schema = table.schema if isinstance(table, pa.Table) else batches[0].schema
 
@@ -575,7 +578,7 @@ class DatasetWriter:
                 for b in batches:
                     w.write_batch(b)
 
-        self._put(shard, "ipc", sum(b.num_rows for b in batches), write)
+        self._put(shard, fmt, sum(b.num_rows for b in batches), write)
 
     def write_bytes(self, shard: str, data: bytes, fmt: str = "file") -> None:
         self._put(shard, fmt, None, lambda p: p.write_bytes(data))

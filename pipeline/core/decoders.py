@@ -16,12 +16,20 @@ def decoder(
     max_new_tokens: int,
     seed: int,
     stop_confidence: float | None = None,
+    keep_teacher: bool = False,
 ):
     """decode(target, drafter, prompts) -> SpecResult: K-chains (confidence-stopped when
-    `stop_confidence` is set), or draft trees when `tree` is set."""
+    `stop_confidence` is set), or draft trees when `tree` is set; `keep_teacher` keeps the
+    verify forwards' teachers (chains only)."""
     chain = ChainShape(k, stop_confidence or 0.0)
     shape = chain if tree is None else TreeShape(**tree.model_dump())
-    spec = SpecConfig(shape, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    spec = SpecConfig(
+        shape,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        keep_teacher=keep_teacher,
+    )
     return lambda target, drafter, prompts: speculative_generate(target, drafter, prompts, spec)
 
 

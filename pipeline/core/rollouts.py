@@ -10,3 +10,12 @@ def shard_files(i: int) -> tuple[str, str, str, str]:
         f"rejections-{i:05d}.parquet",
         f"steps-{i:05d}.parquet",
     )
+
+
+TEACHER_FORMAT = "teacher-ipc"
+"""The teachers' manifest format: Arrow IPC, but not rows of features (`shards("ipc")`)."""
+
+
+def teacher_file(i: int) -> str:
+    """Shard i's verify-forward teachers, written only with `rollout.keep_teacher`."""
+    return f"teacher-{i:05d}.arrow"

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
+import torch
 
 from pipeline import chains
 from pipeline.chains import Step
 from pipeline.core import training, validation
-from pipeline.core.drafters import METRICS_FILE
+from pipeline.core.drafters import METRICS_FILE, load_drafter_dataset
 from pipeline.core.runner import RunContext, StageResult, run_stage
 from pipeline.core.stage import Stage
 from pipeline.profiles import PipelineConfig
@@ -247,6 +248,7 @@ def heldout_config(cfg: PipelineConfig) -> rollout.Config:
             "max_new_tokens": cfg.evaluate.max_new_tokens,
             "temperature": 0.0,
             "round": 1,
+            "keep_teacher": None,  # validation reads its sequences only
         }
     )
 
@@ -265,6 +267,7 @@ def sft_data_config(cfg: PipelineConfig, seed: int, temperature: float | None) -
             "temperature": t,
             "seed": _rollout_seed(t, seed, cfg),
             "round": 1,
+            "keep_teacher": None,  # SFT reads its sequences only
             "new_prompts_each_round": False,
             "max_prompts": per_round * cfg.rounds
             if cfg.rollout.new_prompts_each_round
@@ -371,6 +374,40 @@ def sft_arm(
         "val": val_curve(cont),
         "heldout_curve": [p | {"round": None} for p in heldout_curve(cont, warm.budget)],
     }
+
+
+def measure_speed(
+    ctx: RunContext, cfg: PipelineConfig, prompts: Dataset, drafters: dict[str, Dataset]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """{arm: {temperature: speedup, tau, tokens/s of both decoders}}: each drafter decodes the
+    held-out prompts as evaluate does, with plain target decoding timed prompt by prompt in
+    the same loop, so every ratio is measured side by side. Wall-clock numbers differ between
+    runs and machines, so they are measured here, never cached in a dataset."""
+    target = ctx.target_loader.target
+    out: dict[str, dict[str, dict[str, float]]] = {arm: {} for arm in drafters}
+    for t in TEMPERATURES:
+        ecfg = cfg.evaluate.model_copy(
+            update={"temperature": t, "measure_baseline": True, "untrained_contrast": False}
+        )
+        ids = evaluate.prompt_ids(prompts, ecfg)
+        for arm, ds in drafters.items():
+            drafter = load_drafter_dataset(ds, target, ctx.target_loader.identity)
+            torch.manual_seed(ecfg.seed)
+            stats = evaluate.summarize(
+                evaluate.evaluate(target, drafter, ids, ecfg), ecfg, len(ids)
+            )
+            out[arm][str(t)] = {
+                name: stats[name]
+                for name in ("speedup", "tau", "tokens_per_s", "baseline_tokens_per_s")
+            }
+            log.info(
+                "[experiment] speed %s T=%s: %.2fx plain decoding (tau %.3f)",
+                arm,
+                t,
+                stats["speedup"],
+                stats["tau"],
+            )
+    return out
 
 
 def save_result(ctx: RunContext, run: Runner, kind: str, result: dict[str, Any]) -> None:

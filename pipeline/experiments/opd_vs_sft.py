@@ -55,6 +55,7 @@ from pipeline.experiments.common import (
     Runner,
     arm_budget,
     heldout_config,
+    measure_speed,
     opd_arm,
     save_result,
     seed_stats,
@@ -89,6 +90,7 @@ def opd_vs_sft(
     sft_data_temperature: float | None = None,
     prompts: Dataset | None = None,
     command: str | None = None,
+    speed: bool = False,
 ) -> dict[str, Any]:
     """Run the experiment (see the module docstring); returns the result as JSON-able data.
 
@@ -96,6 +98,7 @@ def opd_vs_sft(
     `prompts`: use this dataset instead of running the prompts stage. `first_seed` (default
     `sft.seed`) lets separate processes run disjoint seeds against one root; a later run over
     all seeds reuses their datasets. `command`: the command line to quote in the report.
+    `speed`: also time the first seed's drafters against plain decoding (`measure_speed`).
     """
     if seeds < 1:
         raise OpdError(f"--seeds must be >= 1, got {seeds}")
@@ -166,6 +169,15 @@ def opd_vs_sft(
         },
         "runs": runs,
     }
+    if speed:
+        first_run = runs[0]
+        arms = {"sft_warmup": warm.drafter} | {
+            arm: ctx.store.open(first_run[arm]["drafter"]) for arm in ARMS
+        }
+        result["speed"] = {
+            "seed": first_run["seed"],
+            "arms": measure_speed(ctx, cfg, warm.prompts, arms),
+        }
     report = _opd_vs_sft_report(ctx, run, result, command)
     result["report"] = str(report.ref)
     result["report_md"] = str(report.path / "report.md")
@@ -226,6 +238,25 @@ def _alpha_table(result: dict[str, Any]) -> pl.DataFrame:
         .rename(lambda c: c if c in ("arm", "temperature") else f"alpha_{c}")
         .sort("temperature", maintain_order=True)
     )
+
+
+def _speed_table(result: dict[str, Any]) -> pl.DataFrame:
+    """One row per (arm, temperature) of the speed measurement (empty without `--speed`)."""
+    arms = result.get("speed", {}).get("arms", {})
+    rows = [
+        {"arm": arm, "temperature": float(t)} | stats
+        for arm, by_t in arms.items()
+        for t, stats in by_t.items()
+    ]
+    schema = {
+        "arm": pl.String,
+        "temperature": pl.Float64,
+        "speedup": pl.Float64,
+        "tau": pl.Float64,
+        "tokens_per_s": pl.Float64,
+        "baseline_tokens_per_s": pl.Float64,
+    }
+    return pl.DataFrame(rows, schema=schema)
 
 
 def _curve_table(result: dict[str, Any]) -> pl.DataFrame:
@@ -365,6 +396,7 @@ def _markdown(
     tau: pl.DataFrame,
     alpha: pl.DataFrame,
     plateau: pl.DataFrame,
+    speed: pl.DataFrame,
     command: str | None,
 ) -> str:
     """report.md: the headline table, the plateau evidence and the datasets behind them."""
@@ -410,6 +442,7 @@ def _markdown(
         "",
         md_table(alpha),
         "",
+        *_speed_lines(result, speed),
         "## Where SFT plateaus: held-out τ against drafter row-steps",
         "",
         "Both arms validate on the same held-out sequences, which neither trains on: the "
@@ -441,6 +474,26 @@ def _markdown(
     return "\n".join(lines)
 
 
+def _speed_lines(result: dict[str, Any], speed: pl.DataFrame) -> list[str]:
+    if speed.is_empty():
+        return []
+    return [
+        "## Speed-up over plain decoding",
+        "",
+        f"Seed {result['speed']['seed']}'s drafters decode the held-out prompts at K="
+        f"{result['k']} with batch 1, plain target decoding timed prompt by prompt in the same "
+        "loop (`speed.parquet`). Wall-clock: measured in this run, on this machine, under "
+        "whatever else ran on it; read the arms against each other, not against another run.",
+        "",
+        md_table(
+            speed.with_columns(pl.col("arm").replace_strict(ARM_NAMES)).sort(
+                "temperature", maintain_order=True
+            )
+        ),
+        "",
+    ]
+
+
 def _opd_vs_sft_report(
     ctx: RunContext, run: Runner, result: dict[str, Any], command: str | None
 ) -> Dataset:
@@ -448,11 +501,12 @@ def _opd_vs_sft_report(
     alpha = _alpha_table(result)
     curves = _curve_table(result)
     plateau = _plateau_table(curves)
+    speed = _speed_table(result)
     labeled = tau.with_columns(pl.col("arm").replace_strict(ARM_NAMES).alias("label"))
     warm = result["warmup"]
 
     def markdown() -> str:
-        return _markdown(result, tau, alpha, plateau, command)
+        return _markdown(result, tau, alpha, plateau, speed, command)
 
     config = {
         "experiment": "opd-vs-sft",
@@ -472,6 +526,7 @@ def _opd_vs_sft_report(
             "alpha": alpha,
             "heldout_curve": curves,
             "plateau": plateau,
+            **({"speed": speed} if not speed.is_empty() else {}),
         },
         {
             "tau": lambda: plot_tau(
@@ -503,6 +558,11 @@ def summary_text(result: dict[str, Any]) -> str:
             f"{t:>5} {result[f'tau_sft_warmup{s}']:>9.3f} {sft_s:>18} {opd_s:>18} "
             f"{result[f'opd_over_sft_continued{s}']:>8.3f}"
         )
+    if "speed" in result:
+        lines.append(f"speed-up over plain decoding (seed {result['speed']['seed']}):")
+        for arm, by_t in result["speed"]["arms"].items():
+            each = ", ".join(f"T={t}: {m['speedup']:.2f}x" for t, m in by_t.items())
+            lines.append(f"  {ARM_NAMES[arm]}: {each}")
     lines.append(f"report: {result['report_md']}")
     lines.append(f"saved to {result['saved_to']}")
     return "\n".join(lines)

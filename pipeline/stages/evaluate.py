@@ -89,7 +89,7 @@ class Config(StrictConfig):
     prompts, so τ is read against what training bought."""
 
 
-def _prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
+def prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
     rows = (
         prompts.scan()
         .filter(pl.col("split") == cfg.split)
@@ -364,7 +364,7 @@ def run(
             f"drafting.k={cfg.k}: set drafting.k={served} (or --k {served}) so both decoders "
             "draft the same"
         )
-    prompts = _prompt_ids(inputs["prompts"], cfg)
+    prompts = prompt_ids(inputs["prompts"], cfg)
     check_tree_setting(target, cfg.tree, prompts, cfg.max_new_tokens)
     if world_size == 1:
         merged = _decode(target, drafter, prompts, cfg, 0, ctx.progress)

@@ -16,6 +16,13 @@ at T=0) while the log records where the drafter failed. Produces `rollouts`, per
                               DFlash block is logged as the chain the loop verified)
   steps-{i:05d}.parquet       one row per verify step: seq_id, step, anchor, drafted, accepted,
                               emitted
+  teacher-{i:05d}.arrow       only with `keep_teacher` (chains and blocks): one row per verify
+                              step, in steps' order: seq_id, step, anchor, teacher_hidden [K, H]
+                              bf16, the verify forward's post-norm last hidden at the state
+                              predicting each draft (zeros past the block). That forward already
+                              read the drafter's own proposals, so these are the teachers of the
+                              logged blocks as they were drafted (`score.source=logged` turns
+                              them into replays with no further forward)
 
 plus `draft_vocab.safetensors` copied unchanged from the drafter. Positions count from the first
 prompt token: a step's `anchor` is the position of its first draft, a draft's `position` is
@@ -43,7 +50,7 @@ reused by another run keeps the name of the run that computed it.
 
 Manifest meta: tau (mean accepted + 1 per verify step), alpha per offset (acceptance given the
 offset was reached; None where never reached), the target's identity, the drafter ref, round.
-Resumes: shards whose four files are complete are skipped; a shard's sampling seed depends only
+Resumes: shards whose four (five) files are complete are skipped; a shard's sampling seed depends only
 on (seed, shard, batch), so any worker layout and any resume produce the same bytes.
 """
 
@@ -55,7 +62,8 @@ from typing import Any, Literal
 import polars as pl
 import pyarrow as pa
 import torch
-from pydantic import Field, model_validator
+import torch.nn.functional as F
+from pydantic import Field, field_validator, model_validator
 from tqdm import tqdm
 
 from models.decoding import depth_alpha
@@ -67,10 +75,10 @@ from pipeline.core.decoders import check_tree_setting, decoder
 from pipeline.core.drafters import check_drafting_depth, load_drafter_dataset
 from pipeline.core.featurize import feature_schema, forward_batch
 from pipeline.core.prompt_sets import select_prompts
-from pipeline.core.rollouts import shard_files
+from pipeline.core.rollouts import TEACHER_FORMAT, shard_files, teacher_file
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
-from storage import Dataset, DatasetWriter, tensor_array
+from storage import Dataset, DatasetWriter, tensor_array, tensor_field
 
 log = logging.getLogger("opd")
 
@@ -154,12 +162,25 @@ class Config(StrictConfig):
     round: int = Field(1, ge=1)
     """Draft-OPD round; part of the version, so each round's rollout is its own dataset."""
     rows_per_shard: int = Field(256, ge=1)
+    keep_teacher: bool | None = optional_field(
+        "also write the verify forwards' teachers (teacher-*.arrow); set by score.source=logged"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Config:
         if self.new_prompts_each_round and self.max_prompts is None:
             raise ValueError("new_prompts_each_round needs max_prompts (the prompts per round)")
+        if self.keep_teacher and self.tree is not None:
+            raise ValueError(
+                "rollout.keep_teacher keeps chains' and blocks' teachers; a draft tree's nodes "
+                "are scored at their parents: drop drafting.tree or use score.source=replay"
+            )
         return self
+
+    @field_validator("keep_teacher")
+    @classmethod
+    def _off_is_unset(cls, value: bool | None) -> bool | None:
+        return value or None  # off and unset are one version
 
 
 def _seq_ids(prompts: list[dict]) -> list[str]:
@@ -190,17 +211,26 @@ def rollout_shard(
     reasons = [""] * len(chunk)
     records: dict[str, list] = {}
     steps: dict[str, list] = {}
+    teachers: list[torch.Tensor] = []
     for b in range(0, len(order), cfg.batch_size):
         idx = order[b : b + cfg.batch_size]
         seed = cfg.seed * 1_000_003 + shard * 1_009 + b
         decode = decoder(
-            cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, seed, cfg.stop_confidence
+            cfg.k,
+            cfg.tree,
+            cfg.temperature,
+            cfg.max_new_tokens,
+            seed,
+            cfg.stop_confidence,
+            keep_teacher=bool(cfg.keep_teacher),
         )
         res = decode(target, drafter, [list(chunk[j]["prompt_ids"]) for j in idx])
         for j, seq, why in zip(idx, res.sequences, res.finish_reasons, strict=True):
             generated[j], reasons[j] = seq, why
         _merge_columns(records, res.records, idx)
         _merge_columns(steps, res.steps, idx)
+        if res.teacher is not None:  # [R, N, H], N < K when every row's block was shorter
+            teachers.append(F.pad(res.teacher, (0, 0, 0, cfg.k - res.teacher.shape[1])))
     sequences = [list(p["prompt_ids"]) + g for p, g in zip(chunk, generated, strict=True)]
 
     aux_rows: list[torch.Tensor | None] = [None] * len(chunk)
@@ -229,6 +259,7 @@ def rollout_shard(
         key=lambda r: (steps["sequence"][r], steps["step"][r]),
     )
     steps = {name: [v[r] for r in step_order] for name, v in steps.items()}
+    teacher = torch.cat(teachers)[step_order] if teachers else None  # [steps, K, H]
     confidence = records.pop("confidence", [])
     return {
         "sequences": sequences,
@@ -239,7 +270,13 @@ def rollout_shard(
         "records": records,
         "confidence": confidence,
         "steps": steps,
+        "teacher": teacher,
     }
+
+
+def shard_outputs(i: int, cfg: Config) -> list[str]:
+    """The files shard i is complete with."""
+    return [*shard_files(i), *([teacher_file(i)] if cfg.keep_teacher else [])]
 
 
 def _write_shard(
@@ -332,6 +369,34 @@ def _write_shard(
             schema=steps_schema,
         ),
     )
+    if cfg.keep_teacher:
+        field = teacher_schema(hidden).field("teacher_hidden")
+        n_steps = len(st.get("sequence", []))
+        rows = list(out["teacher"]) if n_steps else []
+        output.write_ipc(
+            teacher_file(i),
+            pa.table(
+                [
+                    pa.array([seq_ids[s] for s in st.get("sequence", [])], pa.string()),
+                    pa.array(st.get("step", []), pa.int32()),
+                    pa.array(st.get("anchor", []), pa.int32()),
+                    tensor_array(rows, field),
+                ],
+                schema=teacher_schema(hidden),
+            ),
+            fmt=TEACHER_FORMAT,
+        )
+
+
+def teacher_schema(hidden: int) -> pa.Schema:
+    return pa.schema(
+        [
+            pa.field("seq_id", pa.string()),
+            pa.field("step", pa.int32()),
+            pa.field("anchor", pa.int32()),
+            tensor_field("teacher_hidden", torch.bfloat16, hidden),
+        ]
+    )
 
 
 def summarize(output: DatasetWriter, cfg: Config) -> dict:
@@ -412,7 +477,7 @@ def run(
     mine = [i for i in range(n_shards) if i % world_size == rank]
     bar = tqdm(total=len(mine), desc="rollout", unit="shard", disable=not ctx.progress)
     for i in mine:
-        if all(output.has_shard(f) for f in shard_files(i)):
+        if all(output.has_shard(f) for f in shard_outputs(i, cfg)):
             bar.update()
             continue
         lo, hi = i * cfg.rows_per_shard, (i + 1) * cfg.rows_per_shard

@@ -43,6 +43,16 @@ anchor, sample), in sequence, anchor, sample order; schema `replay_schema(H)`):
   teacher_hidden [K, H] bf16 (the target's post-norm last hidden at the state predicting
   y-hat_k: softmax(lm_head(teacher_hidden_k) / T) is the target's FULL distribution there).
 Plus `draft_vocab.safetensors`, copied unchanged. Resumes: completed shards are skipped.
+
+`source=logged` (it sets `rollout.keep_teacher`) keeps the blocks the rollout drafted instead of
+drafting new ones: a replay is one verify step's block (chains and DFlash blocks; not trees),
+anchor = the step's anchor (its first draft's position, so its context is y<anchor, as for a
+replay), kind "rejected" for a step that rejected a draft and "accepted" for a step that
+accepted its whole block (sampled by `accepted_share` as above), tokens / q / p / accept_prob
+from the rejection log, length = the drafted block, and teacher_hidden from the verify forward
+the rollout kept (`teacher-*.arrow`): that forward read the drafter's own proposals, so it is
+the teacher at every drafted slot, the rejected ones included. No drafter or target forward
+runs. It needs the rollout's temperature and K and one sample per anchor.
 """
 
 from __future__ import annotations
@@ -57,7 +67,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 from tqdm import tqdm
 
@@ -72,10 +82,17 @@ from pipeline.core.checks import (
 )
 from pipeline.core.config import DraftTree, StrictConfig, optional_field
 from pipeline.core.drafters import drafter_kind, load_drafter_dataset
-from pipeline.core.rollouts import shard_files
+from pipeline.core.rollouts import shard_files, teacher_file
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
-from storage import Dataset, DatasetWriter, read_tensor_column, tensor_array, tensor_field
+from storage import (
+    Dataset,
+    DatasetWriter,
+    OpdError,
+    read_tensor_column,
+    tensor_array,
+    tensor_field,
+)
 
 log = logging.getLogger("opd")
 
@@ -100,6 +117,30 @@ class Config(StrictConfig):
     seed: int = 0
     round: int = Field(1, ge=1)
     """Draft-OPD round; part of the version, so each round's replays are their own dataset."""
+    source: Literal["replay", "logged"] | None = optional_field(
+        "where replays come from: unset or replay, the drafter drafts again from every anchor "
+        "and the target scores it; logged, the rollout's own blocks with its verify forward's "
+        "teachers (see the module docstring)"
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _replay_is_unset(cls, value: str | None) -> str | None:
+        return None if value == "replay" else value  # the default and unset are one version
+
+    @model_validator(mode="after")
+    def _check_logged(self) -> Config:
+        if self.source == "logged" and self.samples != 1:
+            raise ValueError(
+                f"score.samples={self.samples} replays each anchor {self.samples} times, but "
+                "score.source=logged keeps the one block the rollout drafted: set score.samples=1"
+            )
+        if self.source == "logged" and self.tree is not None:
+            raise ValueError(
+                "score.source=logged reads chains and blocks; a tree's nodes are scored at their "
+                "parents: drop drafting.tree or use score.source=replay"
+            )
+        return self
 
     @property
     def depth(self) -> int:
@@ -288,6 +329,69 @@ def score_shard(
     return pa.table(arrays, schema=schema)
 
 
+def logged_shard(rollouts: Dataset, i: int, cfg: Config, hidden: int) -> pa.Table:
+    """Rollout shard i's own blocks as replays (`source=logged`), as one `replay_schema` table."""
+    seq_shard, feat_shard, rej_shard, _ = shard_files(i)
+    rows = {s: r for r, s in enumerate(pl.read_parquet(rollouts.file(seq_shard))["seq_id"])}
+    blocks = (
+        pl.read_parquet(
+            rollouts.file(rej_shard),
+            columns=["seq_id", "anchor", "offset", "token", "q", "p", "accept_prob", "outcome"],
+        )
+        .sort("seq_id", "anchor", "offset")
+        .group_by("seq_id", "anchor", maintain_order=True)
+        .agg(
+            pl.col("token", "q", "p", "accept_prob"),
+            (pl.col("outcome") == "rejected").any().alias("rejected"),
+        )
+    )
+    teacher = rollouts.read_ipc(teacher_file(i))
+    values, offsets = read_tensor_column(
+        teacher.column("teacher_hidden").combine_chunks(),
+        teacher.schema.field("teacher_hidden"),
+    )
+    keys = zip(
+        teacher.column("seq_id").to_pylist(), teacher.column("anchor").to_pylist(), strict=True
+    )
+    at = {key: r for r, key in enumerate(keys)}  # (seq_id, anchor) -> teacher row
+    schema = replay_schema(hidden)
+    cols: dict[str, list] = {name: [] for name in schema.names}
+    K = cfg.depth
+    for (seq_id,), seq_blocks in blocks.group_by("seq_id", maintain_order=True):
+        by_anchor = {b["anchor"]: b for b in seq_blocks.iter_rows(named=True)}
+        rejected = [a for a, b in by_anchor.items() if b["rejected"]]
+        accepted = [a for a, b in by_anchor.items() if not b["rejected"]]
+        rng = np.random.default_rng(_seed_of(cfg.seed, seq_id))
+        for anchor, kind in select_anchors(rejected, accepted, cfg, rng):
+            b = by_anchor[anchor]
+            n = len(b["token"])
+            pad = [0.0] * (K - n)
+            accept = torch.tensor(b["accept_prob"] + pad)
+            r = at[(seq_id, anchor)]
+            cols["seq_id"].append(seq_id)
+            cols["shard"].append(feat_shard)
+            cols["row"].append(rows[seq_id])
+            cols["anchor"].append(anchor)
+            cols["kind"].append(kind)
+            cols["sample"].append(0)
+            cols["tokens"].append(b["token"] + [0] * (K - n))
+            cols["logq"].append([float(np.log(q)) for q in b["q"]] + pad)
+            cols["p_token"].append(b["p"] + pad)
+            cols["accept_prob"].append(accept.tolist())
+            cols["reach_prob"].append(
+                torch.cumprod(torch.cat([torch.ones(1), accept[:-1]]), 0).tolist()
+            )
+            cols["length"].append(n)
+            cols["teacher_hidden"].append(values[offsets[r] : offsets[r + 1]])
+    arrays = [
+        tensor_array(cols[f.name], f)
+        if f.name == "teacher_hidden"
+        else pa.array(cols[f.name], f.type)
+        for f in schema
+    ]
+    return pa.table(arrays, schema=schema)
+
+
 def summarize(output: DatasetWriter, cfg: Config) -> dict[str, Any]:
     """Counts and mean acceptance per replay offset over every shard written (all ranks)."""
     kinds: list[str] = []
@@ -299,6 +403,7 @@ def summarize(output: DatasetWriter, cfg: Config) -> dict[str, Any]:
         kinds += table.column("kind").to_pylist()
         accept += [torch.tensor(a) for a in table.column("accept_prob").to_pylist()]
     meta: dict[str, Any] = {
+        "source": cfg.source or "replay",
         "anchors": len(kinds) // cfg.samples,
         "replays": len(kinds),
         "rejected_anchors": kinds.count("rejected") // cfg.samples,
@@ -321,6 +426,29 @@ def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> Non
     check_same_target(rollouts, ctx.target_loader.identity)
     check_drafter_kind(rollouts, drafter_kind(drafter), str(drafter.ref))
     check_made_by(rollouts, drafter)
+    if cfg.source == "logged":
+        check_logged(cfg, rollouts)
+
+
+def check_logged(cfg: Config, rollouts: Dataset) -> None:
+    """`source=logged` takes the rollout's blocks as they are: they must carry their teachers
+    and have been drafted at this temperature and K."""
+    features = [s for s in rollouts.shards("ipc") if s.startswith("features-")]
+    have = set(rollouts.shards())
+    missing = [teacher_file(i) for i in range(len(features)) if teacher_file(i) not in have]
+    if missing:
+        raise OpdError(
+            f"score.source=logged needs the verify forwards' teachers, but {rollouts.ref} has no "
+            f"{missing[0]}: it was rolled out without rollout.keep_teacher; rerun the rollout "
+            "with --set score.source=logged (which keeps them) or use score.source=replay"
+        )
+    for name, want in (("temperature", cfg.temperature), ("k", cfg.depth)):
+        got = rollouts.meta.get(name)
+        if got != want:
+            raise OpdError(
+                f"score.source=logged keeps the rollout's blocks as drafted, but {rollouts.ref} "
+                f"was drafted with {name} {got} and score asks for {want}: set them equal"
+            )
 
 
 def run(
@@ -343,7 +471,11 @@ def run(
     mine = [i for i in range(n_shards) if i % world_size == rank]
     for i in tqdm(mine, desc="score", unit="shard", disable=not ctx.progress):
         name = f"replays-{i:05d}.arrow"
-        if not output.has_shard(name):
+        if output.has_shard(name):
+            continue
+        if cfg.source == "logged":
+            output.write_ipc(name, logged_shard(rollouts, i, cfg, target.hidden_size))
+        else:
             output.write_ipc(name, score_shard(target, drafter, rollouts, i, cfg))
     if rank != 0:
         return {}

@@ -52,7 +52,7 @@ class Embedded:
         return self.ctx.target_loader.target
 
     def heldout(self) -> list[list[int]]:
-        return evaluate._prompt_ids(self.prompts, self.cfg.evaluate)
+        return evaluate.prompt_ids(self.prompts, self.cfg.evaluate)
 
 
 @pytest.fixture(scope="session")

@@ -300,11 +300,27 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
     args = ["--root", str(tmp_path), "experiment", "opd-vs-sft", "--profile", "tiny"]
     args += ["--set", "rounds=1", "--seeds", "1", "--budget-ratio", "0.5"]
     r = CliRunner().invoke(
-        cli, [*args, "--drafter-kind", "dflash", "--prompts", str(prompts.ref), "--json"]
+        cli,
+        [*args, "--drafter-kind", "dflash", "--prompts", str(prompts.ref), "--speed", "--json"],
     )
     assert r.exit_code == 0, r.output
     result = json.loads(r.stdout)
     assert result["drafter_kind"] == "dflash"
+    # --speed: every arm's drafter timed against plain decoding at both temperatures; its tau
+    # is the same decoding's as the arm's evaluation (same prompts, K, seed)
+    speed = result["speed"]
+    assert speed["seed"] == 0 and set(speed["arms"]) == {"sft_warmup", "sft_continued", "opd"}
+    for arm, by_t in speed["arms"].items():
+        assert set(by_t) == {"0.0", "1.0"}
+        for t, m in by_t.items():
+            assert m["speedup"] == pytest.approx(m["tokens_per_s"] / m["baseline_tokens_per_s"])
+            evaluated = result["warmup"] if arm == "sft_warmup" else result["runs"][0][arm]
+            assert m["tau"] == pytest.approx(evaluated["tau"][t])
+    report = store.open(result["report"])
+    table = pl.read_parquet(report.file("speed.parquet"))
+    assert table.height == 3 * 2 and set(table["arm"]) == set(speed["arms"])
+    assert "## Speed-up over plain decoding" in report.file("report.md").read_text()
+    assert "--speed" in report.file("report.md").read_text()
     for key in ("tau_opd", "tau_opd_t1", "tau_sft_continued", "tau_sft_continued_t1"):
         assert result[key] >= 1.0
     refs = [result["warmup"]["drafter"]] + [
