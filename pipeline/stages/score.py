@@ -338,7 +338,8 @@ def logged_shard(rollouts: Dataset, i: int, cfg: Config, hidden: int) -> pa.Tabl
             rollouts.file(rej_shard),
             columns=["seq_id", "anchor", "offset", "token", "q", "p", "accept_prob", "outcome"],
         )
-        .sort("seq_id", "anchor", "offset")
+        .with_columns(pl.col("seq_id").replace_strict(rows, return_dtype=pl.Int64).alias("row"))
+        .sort("row", "anchor", "offset")  # sequence, anchor order, as replays are written
         .group_by("seq_id", "anchor", maintain_order=True)
         .agg(
             pl.col("token", "q", "p", "accept_prob"),

@@ -121,6 +121,8 @@ def test_logged_replays_are_the_rollouts_blocks_with_their_verify_teachers(env, 
     ds = run_stage(score.STAGE, cfg, inputs, ctx).dataset
     assert ds.meta["source"] == "logged" and ds.meta["drafter_kind"] == kind
     df = replays_of(ds)
+    order = df.select("shard", "row", "anchor")
+    assert order.equals(order.sort("shard", "row", "anchor"))  # written as replays are
     log = pl.read_parquet(kept[kind].path / "rejections-*.parquet")
     blocks = log.group_by("seq_id", "anchor").agg(
         pl.col("token").sort_by("offset"),
