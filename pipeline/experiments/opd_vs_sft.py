@@ -513,6 +513,8 @@ def _opd_vs_sft_report(
         "seeds": result["seeds"],
         "budget_row_steps": result["budget_row_steps"],
         "sft_data_temperature": result["sft_data_temperature"],
+        # wall-clock numbers are measured anew each run: each measurement is its own report
+        **({"speed": result["speed"]} if "speed" in result else {}),
     }
     headline = {k: v for k, v in result.items() if k.startswith(("tau_", "opd_over_"))}
     return write_report(

@@ -299,13 +299,15 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
     prompts = write_prompts(store)
     args = ["--root", str(tmp_path), "experiment", "opd-vs-sft", "--profile", "tiny"]
     args += ["--set", "rounds=1", "--seeds", "1", "--budget-ratio", "0.5"]
-    r = CliRunner().invoke(
-        cli,
-        [*args, "--drafter-kind", "dflash", "--prompts", str(prompts.ref), "--speed", "--json"],
-    )
+    args += ["--drafter-kind", "dflash", "--prompts", str(prompts.ref), "--json"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    plain = json.loads(r.stdout)
+    assert "speed" not in plain
+    r = CliRunner().invoke(cli, [*args, "--speed"])  # the arms are cached, the timing is not
     assert r.exit_code == 0, r.output
     result = json.loads(r.stdout)
-    assert result["drafter_kind"] == "dflash"
+    assert result["drafter_kind"] == "dflash" and result["report"] != plain["report"]
     # --speed: every arm's drafter timed against plain decoding at both temperatures; its tau
     # is the same decoding's as the arm's evaluation (same prompts, K, seed)
     speed = result["speed"]
@@ -319,6 +321,8 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
     report = store.open(result["report"])
     table = pl.read_parquet(report.file("speed.parquet"))
     assert table.height == 3 * 2 and set(table["arm"]) == set(speed["arms"])
+    for arm, t, speedup in table.select("arm", "temperature", "speedup").iter_rows():
+        assert speedup == speed["arms"][arm][str(t)]["speedup"]  # this run's measurement
     assert "## Speed-up over plain decoding" in report.file("report.md").read_text()
     assert "--speed" in report.file("report.md").read_text()
     for key in ("tau_opd", "tau_opd_t1", "tau_sft_continued", "tau_sft_continued_t1"):
@@ -331,7 +335,5 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
     alpha = result["runs"][0]["opd"]["alpha"]["0.0"]
     assert 1 <= len(alpha) <= result["k"] and all(0.0 <= a <= 1.0 for a in alpha)
 
-    clash = CliRunner().invoke(
-        cli, [*args, "--drafter-kind", "dflash", "--set", "drafter.kind=eagle3"]
-    )
+    clash = CliRunner().invoke(cli, [*args, "--set", "drafter.kind=eagle3"])
     assert clash.exit_code != 0 and "name the kind once" in clash.output
