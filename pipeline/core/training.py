@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -354,6 +354,19 @@ def plan_batches(
 _END = object()  # the producer's end-of-data marker
 
 
+def epoch_position(epoch_len: Callable[[int], int], step: int) -> tuple[int, int]:
+    """(epoch, batch index) of the `step`-th batch (from 0) when epochs 0, 1, ... run end to
+    end and epoch e holds `epoch_len(e)` batches. Epochs may differ (`max_tokens` packs each
+    epoch's shuffle into its own number of batches), so no step is found by divmod."""
+    epoch = 0
+    while step >= (n := epoch_len(epoch)):
+        if n == 0:
+            raise OpdError("an epoch of the training data holds no batch")
+        step -= n
+        epoch += 1
+    return epoch, step
+
+
 class FeatureLoader:
     """This rank's padded batches of one epoch, built ahead of time by a background thread.
 
@@ -436,13 +449,7 @@ class FeatureLoader:
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, batch index) of the `step`-th batch (from 0) when epochs run end to end."""
-        epoch = 0
-        while step >= (n := self._epoch_len(epoch)):
-            if n == 0:
-                raise OpdError("an epoch of the training data holds no batch")
-            step -= n
-            epoch += 1
-        return epoch, step
+        return epoch_position(self._epoch_len, step)
 
     def iterate(
         self, epoch: int, start: int = 0, *, epochs: int | None = 1

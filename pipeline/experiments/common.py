@@ -99,15 +99,9 @@ def sft_steps_for_budget(data: list[Dataset], cfg: sft.Config, budget: int) -> i
 
 def nth_step(plan: Callable[[int], list[int]], step: int) -> int:
     """The value of optimizer step `step` when the trainer runs epoch 0, 1, ... end to end;
-    `plan(epoch)` lists one value per batch. Epochs may hold different numbers of batches
-    (`max_tokens` packs each epoch's shuffle differently), so no step is found by divmod."""
-    epoch = 0
-    while step >= len(plan(epoch)):
-        if not plan(epoch):
-            raise OpdError("an epoch of the training data holds no batch")
-        step -= len(plan(epoch))
-        epoch += 1
-    return plan(epoch)[step]
+    `plan(epoch)` lists one value per batch (epochs may differ in length)."""
+    epoch, index = training.epoch_position(lambda e: len(plan(e)), step)
+    return plan(epoch)[index]
 
 
 def seed_stats(values: list[float]) -> dict[str, Any]:
