@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 
@@ -54,16 +54,13 @@ class AcceptanceStats:
             self.chain_k,
         )
 
-    def all_reduce(self) -> AcceptanceStats:
-        """Sum over ranks (no-op in a single process)."""
+    def reduced(self, reduce_sum: Callable[[Tensor], Tensor]) -> AcceptanceStats:
+        """The stats after `reduce_sum` of their sums as one flat tensor: the caller's sum over
+        ranks (pipeline.core.training.all_reduce_sum), which knows the process group."""
         flat = torch.cat(
             [self.hits, self.valid, self.alpha_sum, self.chain_rows[None], self.chain_len[None]]
         )
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_backend() == "nccl" and flat.device.type == "cpu":
-                # NCCL reduces only GPU tensors (a CPU target under torchrun on a GPU node)
-                flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat = reduce_sum(flat)
         k = len(self.hits)
         return AcceptanceStats(
             flat[:k], flat[k : 2 * k], flat[2 * k : 3 * k], flat[-2], flat[-1], self.chain_k

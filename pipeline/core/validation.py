@@ -62,7 +62,7 @@ def validate(
             )
             stats = stats + drafter.acceptance(out, target_logits, chain_k=tau_k)
     drafter.train(was_training)
-    stats = stats.all_reduce()
+    stats = stats.reduced(training.all_reduce_sum)
     training.all_reduce_sum(loss_sum)
     return {"loss": float(loss_sum[0] / loss_sum[1].clamp_min(1)), **stats.summary()}
 

@@ -177,7 +177,9 @@ def train_step(
         out, teacher, b["last_hidden"], decay=cfg.step_decay, objective=cfg.objective
     )
     chain_k = min(cfg.tau_k, cfg.unroll_depth)
-    acc = drafter.acceptance(out, target_logits, chain_k=chain_k, expected=False).all_reduce()
+    acc = drafter.acceptance(out, target_logits, chain_k=chain_k, expected=False).reduced(
+        training.all_reduce_sum
+    )
     tokens = batch.num_tokens
     return StepOutput(loss, tokens, tokens * cfg.unroll_depth, {"acc": acc.accuracy()})
 
