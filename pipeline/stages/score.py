@@ -320,6 +320,10 @@ def score_shard(
                 cols[name] += out[name].tolist()
             cols["teacher_hidden"] += list(out["teacher_hidden"])
         row0 += batch.num_rows
+    return _replay_table(cols, schema)
+
+
+def _replay_table(cols: dict[str, list], schema: pa.Schema) -> pa.Table:
     arrays = [
         tensor_array(cols[f.name], f)
         if f.name == "teacher_hidden"
@@ -384,13 +388,7 @@ def logged_shard(rollouts: Dataset, i: int, cfg: Config, hidden: int) -> pa.Tabl
             )
             cols["length"].append(n)
             cols["teacher_hidden"].append(values[offsets[r] : offsets[r + 1]])
-    arrays = [
-        tensor_array(cols[f.name], f)
-        if f.name == "teacher_hidden"
-        else pa.array(cols[f.name], f.type)
-        for f in schema
-    ]
-    return pa.table(arrays, schema=schema)
+    return _replay_table(cols, schema)
 
 
 def summarize(output: DatasetWriter, cfg: Config) -> dict[str, Any]:
