@@ -378,14 +378,17 @@ def measure_speed(
     the same loop, so every ratio is measured side by side. Wall-clock numbers differ between
     runs and machines, so they are measured here, never cached in a dataset."""
     target = ctx.target_loader.target
+    loaded = {
+        arm: load_drafter_dataset(ds, target, ctx.target_loader.identity)
+        for arm, ds in drafters.items()
+    }
     out: dict[str, dict[str, dict[str, float]]] = {arm: {} for arm in drafters}
     for t in TEMPERATURES:
         ecfg = cfg.evaluate.model_copy(
             update={"temperature": t, "measure_baseline": True, "untrained_contrast": False}
         )
         ids = evaluate.prompt_ids(prompts, ecfg)
-        for arm, ds in drafters.items():
-            drafter = load_drafter_dataset(ds, target, ctx.target_loader.identity)
+        for arm, drafter in loaded.items():
             torch.manual_seed(ecfg.seed)
             stats = evaluate.summarize(
                 evaluate.evaluate(target, drafter, ids, ecfg), ecfg, len(ids)

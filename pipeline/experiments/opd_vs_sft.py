@@ -53,6 +53,7 @@ from pipeline.experiments.common import (
     BUDGET_UNIT,
     TEMPERATURES,
     Runner,
+    Warmup,
     arm_budget,
     heldout_config,
     measure_speed,
@@ -130,21 +131,7 @@ def opd_vs_sft(
             }
         )
 
-    result: dict[str, Any] = {"experiment": "opd-vs-sft"}
-    for t in TEMPERATURES:
-        s = suffix(t)
-        for arm in ARMS:
-            values = [r[arm]["tau"][str(t)] for r in runs]
-            result[f"tau_{arm}{s}"] = statistics.fmean(values)
-            result[f"tau_{arm}{s}_per_seed"] = values
-            result[f"tau_{arm}{s}_std"] = seed_stats(values)["std"]
-        result[f"opd_over_sft_continued{s}"] = (
-            result[f"tau_opd{s}"] / result[f"tau_sft_continued{s}"]
-        )
-        result[f"opd_over_sft_continued{s}_per_seed"] = [
-            r["opd"]["tau"][str(t)] / r["sft_continued"]["tau"][str(t)] for r in runs
-        ]
-        result[f"tau_sft_warmup{s}"] = warm.tau[str(t)]
+    result: dict[str, Any] = {"experiment": "opd-vs-sft", **_headline(runs, warm)}
     result |= {
         "seeds": [r["seed"] for r in runs],
         "budget_unit": BUDGET_UNIT,
@@ -183,6 +170,24 @@ def opd_vs_sft(
     result["report_md"] = str(report.path / "report.md")
     save_result(ctx, run, "opd-vs-sft", result)
     return result
+
+
+def _headline(runs: list[dict[str, Any]], warm: Warmup) -> dict[str, Any]:
+    """tau per arm and temperature (mean, per seed, std) and OPD / continued SFT."""
+    out: dict[str, Any] = {}
+    for t in TEMPERATURES:
+        s = suffix(t)
+        for arm in ARMS:
+            values = [r[arm]["tau"][str(t)] for r in runs]
+            out[f"tau_{arm}{s}"] = statistics.fmean(values)
+            out[f"tau_{arm}{s}_per_seed"] = values
+            out[f"tau_{arm}{s}_std"] = seed_stats(values)["std"]
+        out[f"opd_over_sft_continued{s}"] = out[f"tau_opd{s}"] / out[f"tau_sft_continued{s}"]
+        out[f"opd_over_sft_continued{s}_per_seed"] = [
+            r["opd"]["tau"][str(t)] / r["sft_continued"]["tau"][str(t)] for r in runs
+        ]
+        out[f"tau_sft_warmup{s}"] = warm.tau[str(t)]
+    return out
 
 
 def _tau_table(result: dict[str, Any]) -> pl.DataFrame:

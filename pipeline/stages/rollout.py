@@ -370,22 +370,33 @@ def _write_shard(
         ),
     )
     if cfg.keep_teacher:
-        field = teacher_schema(hidden).field("teacher_hidden")
-        n_steps = len(st.get("sequence", []))
-        rows = list(out["teacher"]) if n_steps else []
-        output.write_ipc(
-            teacher_file(i),
-            pa.table(
-                [
-                    pa.array([seq_ids[s] for s in st.get("sequence", [])], pa.string()),
-                    pa.array(st.get("step", []), pa.int32()),
-                    pa.array(st.get("anchor", []), pa.int32()),
-                    tensor_array(rows, field),
-                ],
-                schema=teacher_schema(hidden),
-            ),
-            fmt=TEACHER_FORMAT,
-        )
+        _write_teacher(output, i, seq_ids, st, out["teacher"], hidden)
+
+
+def _write_teacher(
+    output: DatasetWriter,
+    i: int,
+    seq_ids: list[str],
+    steps: dict[str, list],
+    teacher: torch.Tensor | None,
+    hidden: int,
+) -> None:
+    """Shard i's teachers, one row per verify step in `steps`' order."""
+    schema = teacher_schema(hidden)
+    rows = list(teacher) if steps.get("sequence") else []
+    output.write_ipc(
+        teacher_file(i),
+        pa.table(
+            [
+                pa.array([seq_ids[s] for s in steps.get("sequence", [])], pa.string()),
+                pa.array(steps.get("step", []), pa.int32()),
+                pa.array(steps.get("anchor", []), pa.int32()),
+                tensor_array(rows, schema.field("teacher_hidden")),
+            ],
+            schema=schema,
+        ),
+        fmt=TEACHER_FORMAT,
+    )
 
 
 def teacher_schema(hidden: int) -> pa.Schema:
