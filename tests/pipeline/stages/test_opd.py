@@ -131,7 +131,9 @@ def write_replay_rows(store, rows, hidden, rollouts, drafter_ds, *, vocab_file=N
 def world(tmp_path_factory):
     """store, ctx, features, a briefly trained sft drafter, rollouts and replays on a random target."""
     store = Store(tmp_path_factory.mktemp("data"))
-    cfg = load_config("tiny")
+    # on the host in fp32 on every machine: the references below are exact host math (a GPU
+    # would give bf16 and two devices); tests/gpu and the chain runs cover CUDA
+    cfg = load_config("tiny", sets=["target.device=cpu"])
     ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
     prompts = write_prompts(store)
     traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
@@ -496,7 +498,7 @@ root, rank, port = sys.argv[2], int(sys.argv[3]), sys.argv[4]
 refs = dict(zip(("replays", "rollouts", "drafter"), sys.argv[5:8]))
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 store = Store(root)
-ctx = RunContext(store=store, target_loader=TargetLoader(load_config("tiny").target), progress=False)
+ctx = RunContext(store=store, target_loader=TargetLoader(load_config("tiny", sets=["target.device=cpu"]).target), progress=False)
 cfg = opd.Config(steps=3, batch_size=2, val_share=0.2, val_every=2, bf16=False, seed=11)
 inputs = {role: store.open(ref) for role, ref in refs.items()}
 res = run_stage(opd.STAGE, cfg, inputs, ctx, rank=rank, world_size=2)
