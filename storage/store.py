@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -425,7 +426,12 @@ class DatasetWriter:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"[opd] {self.ref} is being written by another process; waiting for it")
+            # stderr: stdout may be a command's --json answer
+            print(
+                f"[opd] {self.ref} is being written by another process; waiting for it",
+                file=sys.stderr,
+                flush=True,
+            )
             fcntl.flock(fd, fcntl.LOCK_EX)
         self._lock_fd = fd
         if self.rank == 0:

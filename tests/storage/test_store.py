@@ -380,3 +380,35 @@ def test_a_waiting_rank_stops_when_another_failed_and_a_rerun_clears_the_mark(tm
         w0.rank_done()
         ds = w0.commit()
     assert not [p for p in ds.path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_writer_waiting_for_another_process_says_so_on_stderr_only(tmp_path, capfd):
+    import fcntl
+    import threading
+
+    store = Store(tmp_path)
+    w = store.writer("trajectories", stage="s", stage_version="1", config={"a": 1})
+    lock = store.dataset_dir("trajectories", w.version).parent / f".{w.version}.lock"
+    lock.parent.mkdir(parents=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process is writing this version
+
+    def write():
+        with w:
+            w.write_parquet("a.parquet", pa.table({"x": [1]}))
+            w.commit()
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    deadline = time.monotonic() + 30
+    err = ""
+    while "being written by another process" not in err and time.monotonic() < deadline:
+        time.sleep(0.05)
+        err += capfd.readouterr().err
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    thread.join(30)
+    out, rest = capfd.readouterr()
+    assert "being written by another process" in err + rest
+    assert out == ""  # a --json answer on stdout stays parseable
+    assert store.open(f"trajectories@{w.version}").read_table().num_rows == 1
