@@ -54,18 +54,8 @@ def test_run_full_on_the_tiny_profile_writes_the_pinned_drafter_weights(tmp_path
     one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env = os.environ | one_thread | {"OPD_HOME": str(tmp_path)}
     # the pins are CPU kernels' sums: on a machine with a GPU, `auto` would train on it in bf16
-    cpu = ["--set", "target.device=cpu"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        "run",
-        "full",
-        "--profile",
-        "tiny",
-        "--no-progress",
-        *cpu,
-    ]
+    cli = ["run", "full", "--profile", "tiny", "--no-progress", "--set", "target.device=cpu"]
+    cmd = [sys.executable, "-m", "cli.main", *cli]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = sorted((tmp_path / "_runs").glob("*.json"))

@@ -1,9 +1,11 @@
+import fcntl
 import importlib.metadata
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -383,9 +385,6 @@ def test_a_waiting_rank_stops_when_another_failed_and_a_rerun_clears_the_mark(tm
 
 
 def test_a_writer_waiting_for_another_process_says_so_on_stderr_only(tmp_path, capfd):
-    import fcntl
-    import threading
-
     store = Store(tmp_path)
     w = store.writer("trajectories", stage="s", stage_version="1", config={"a": 1})
     lock = store.dataset_dir("trajectories", w.version).parent / f".{w.version}.lock"

@@ -498,7 +498,8 @@ root, rank, port = sys.argv[2], int(sys.argv[3]), sys.argv[4]
 refs = dict(zip(("replays", "rollouts", "drafter"), sys.argv[5:8]))
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 store = Store(root)
-ctx = RunContext(store=store, target_loader=TargetLoader(load_config("tiny", sets=["target.device=cpu"]).target), progress=False)
+target = load_config("tiny", sets=["target.device=cpu"]).target  # as the world's
+ctx = RunContext(store=store, target_loader=TargetLoader(target), progress=False)
 cfg = opd.Config(steps=3, batch_size=2, val_share=0.2, val_every=2, bf16=False, seed=11)
 inputs = {role: store.open(ref) for role, ref in refs.items()}
 res = run_stage(opd.STAGE, cfg, inputs, ctx, rank=rank, world_size=2)
