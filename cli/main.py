@@ -6,11 +6,13 @@ errors print one line, `error: ...`, and exit 2; nothing is written.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
+import torch
 
 from cli import data, experiment, measure, run, serve
 from storage import OpdError, Store, default_root
@@ -34,12 +36,23 @@ class _Group(click.Group):
     default=None,
     help="Data root holding all datasets [env OPD_HOME; default ./opd-data].",
 )
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU threads for torch in this process and the processes it launches [default: "
+    "torch's, one per core]. Give processes that share the cores their share of them.",
+)
 @click.pass_context
-def cli(ctx: click.Context, root: Path | None) -> None:
+def cli(ctx: click.Context, root: Path | None, threads: int | None) -> None:
     """Draft-OPD: train speculative-decoding drafters as versioned, resumable stages.
 
     Datasets are referenced as NAME@VERSION, NAME@latest (or just NAME) and NAME@run:RUN.
     """
+    if threads is not None:
+        torch.set_num_threads(threads)
+        # ranks launched by --nproc (and Dask workers started here) read it at start-up
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     ctx.obj = Store(root if root is not None else default_root())
 
 

@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import polars as pl
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from models import vllm_engine
 from models.decoding import (
@@ -69,6 +69,10 @@ log = logging.getLogger("opd")
 class Config(StrictConfig):
     split: Literal["train", "heldout"] = "heldout"
     max_prompts: int = Field(64, ge=1)
+    skip_prompts: int | None = optional_field(
+        "prompts of the split to skip first: measures a recipe chosen on the first prompts on "
+        "others, which nothing was tuned or validated on"
+    )
     k: int = Field(6, ge=1)
     """Drafted tokens per verify step; set through `drafting.k`."""
     tree: DraftTree | None = optional_field("decode on draft trees; set through `drafting.tree`")
@@ -88,18 +92,29 @@ class Config(StrictConfig):
     """Also measure a freshly initialised drafter (same config and vocab map) on the same
     prompts, so τ is read against what training bought."""
 
+    @field_validator("skip_prompts")
+    @classmethod
+    def _skip_not_negative(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError(f"skip_prompts counts prompts to skip: give 0 or more, not {v}")
+        return v
+
 
 def prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
     rows = (
         prompts.scan()
         .filter(pl.col("split") == cfg.split)
-        .head(cfg.max_prompts)
+        .slice(cfg.skip_prompts or 0, cfg.max_prompts)
         .select("prompt_ids")
         .collect()["prompt_ids"]
         .to_list()
     )
     if not rows:
-        raise OpdError(f"{prompts.ref} has no {cfg.split!r} prompts to evaluate on")
+        skipped = f" after skipping {cfg.skip_prompts}" if cfg.skip_prompts else ""
+        raise OpdError(
+            f"{prompts.ref} has no {cfg.split!r} prompts{skipped} to evaluate on"
+            + (": lower evaluate.skip_prompts" if skipped else "")
+        )
     return rows
 
 

@@ -2,6 +2,7 @@ import json
 import os
 
 import pyarrow as pa
+import torch
 from click.testing import CliRunner
 
 from cli.main import cli
@@ -31,6 +32,23 @@ def test_opd_home_env(tmp_path):
     ds = _ds(tmp_path)
     r = CliRunner().invoke(cli, ["ls"], env={"OPD_HOME": str(tmp_path)})
     assert str(ds.ref) in r.output
+
+
+def test_threads_sets_torch_and_the_launched_processes_threads(tmp_path, monkeypatch):
+    _ds(tmp_path)
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # restored after the test
+    try:
+        torch.set_num_threads(3)  # not 1 on any machine, so the option must change it
+        r = CliRunner().invoke(cli, ["--root", str(tmp_path), "--threads", "1", "ls"])
+        assert r.exit_code == 0, r.output
+        assert torch.get_num_threads() == 1
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+        r = CliRunner().invoke(cli, ["--root", str(tmp_path), "--threads", "0", "ls"])
+        assert r.exit_code == 2 and "'--threads': 0 is not in the range x>=1" in r.output
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_user_errors_are_one_line_and_nonzero(tmp_path):

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from models.decoding import target_generate
+from pipeline.core.config import version_dict
 from pipeline.core.runner import run_stage
 from pipeline.stages import evaluate, features, generate, sft
+from storage import OpdError
 
 
 @pytest.fixture
@@ -53,3 +55,21 @@ def test_divergence_names_the_first_differing_position_and_the_top2_gap(drafted)
     top = logits.topk(2).values
     assert out["top2_logit_gap"] == pytest.approx(float(top[0] - top[1]))
     assert out["top2_logit_gap"] >= 0
+
+
+def test_skip_prompts_takes_the_next_prompts_and_leaves_old_versions_alone(tiny):
+    _, _, cfg, prompts = tiny
+    heldout = prompts.scan().filter(pl.col("split") == "heldout").collect()["prompt_ids"].to_list()
+    assert len(heldout) >= 3
+    first = cfg.evaluate.model_copy(update={"max_prompts": 2})
+    later = first.model_copy(update={"skip_prompts": 1})
+    assert evaluate.prompt_ids(prompts, first) == heldout[:2]
+    assert evaluate.prompt_ids(prompts, later) == heldout[1:3]
+    # unset, it is not part of the version: evaluations made before it existed stay cached
+    assert "skip_prompts" not in version_dict(first)
+    assert version_dict(later)["skip_prompts"] == 1
+    past = first.model_copy(update={"skip_prompts": len(heldout)})
+    with pytest.raises(OpdError, match=f"after skipping {len(heldout)}.*lower evaluate.skip"):
+        evaluate.prompt_ids(prompts, past)
+    with pytest.raises(ValueError, match="give 0 or more, not -1"):
+        evaluate.Config(skip_prompts=-1)
