@@ -51,7 +51,7 @@ def cli(ctx: click.Context, root: Path | None, threads: int | None) -> None:
     """
     if threads is not None:
         torch.set_num_threads(threads)
-        # ranks launched by --nproc (and Dask workers started here) read it at start-up
+        # for the ranks --nproc launches: they inherit the environment, not this setting
         os.environ["OMP_NUM_THREADS"] = str(threads)
     ctx.obj = Store(root if root is not None else default_root())
 
