@@ -109,12 +109,13 @@ def prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
         .collect()["prompt_ids"]
         .to_list()
     )
-    if not rows:
-        skipped = f" after skipping {cfg.skip_prompts}" if cfg.skip_prompts else ""
+    if not rows and cfg.skip_prompts:
         raise OpdError(
-            f"{prompts.ref} has no {cfg.split!r} prompts{skipped} to evaluate on"
-            + (": lower evaluate.skip_prompts" if skipped else "")
+            f"{prompts.ref} has no {cfg.split!r} prompts after skipping {cfg.skip_prompts} to "
+            "evaluate on: lower evaluate.skip_prompts"
         )
+    if not rows:
+        raise OpdError(f"{prompts.ref} has no {cfg.split!r} prompts to evaluate on")
     return rows
 
 
