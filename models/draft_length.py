@@ -202,6 +202,13 @@ def decode_all(
     return out
 
 
+def _wait(device: torch.device) -> None:
+    """Block until the device's queued work is done: CUDA runs kernels asynchronously, so a
+    forward timed without this counts only its launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_verify(
     target: Target, prompts: list[list[int]], max_new: int, widths: range, reps: int
 ) -> dict[int, float]:
@@ -214,7 +221,10 @@ def measure_verify(
     cache = target.new_cache()
     mask = torch.ones(1, context, context, dtype=torch.bool, device=device).tril()
     target.forward(
-        ids[None], position_ids=torch.arange(context)[None], attention_mask=mask, cache=cache
+        ids[None],
+        position_ids=torch.arange(context, device=device)[None],
+        attention_mask=mask,
+        cache=cache,
     )
     times: dict[int, list[float]] = {n: [] for n in widths}
     for _ in range(reps + 1):  # the first round warms up
@@ -222,6 +232,7 @@ def measure_verify(
             new = ids[:n][None]
             local = torch.ones(n, n, dtype=torch.bool, device=device).tril()
             full = torch.cat([torch.ones(n, context, dtype=torch.bool, device=device), local], 1)
+            _wait(device)
             start = time.perf_counter()
             target.forward(
                 new,
@@ -229,6 +240,7 @@ def measure_verify(
                 attention_mask=full[None],
                 cache=cache,
             )
+            _wait(device)
             times[n].append(time.perf_counter() - start)
             target.crop_cache(cache, context)
     return {n: statistics.median(t[1:]) for n, t in times.items()}
@@ -240,6 +252,7 @@ def measure_prefill(target: Target, prompts: list[list[int]]) -> float:
     for prompt in prompts:
         n = len(prompt)
         mask = torch.ones(1, n, n, dtype=torch.bool, device=target.device).tril()
+        _wait(target.device)
         start = time.perf_counter()
         target.forward(
             torch.tensor([prompt], device=target.device),
@@ -247,6 +260,7 @@ def measure_prefill(target: Target, prompts: list[list[int]]) -> float:
             attention_mask=mask,
             cache=target.new_cache(),
         )
+        _wait(target.device)
         seconds.append(time.perf_counter() - start)
     return statistics.mean(seconds)
 

@@ -40,6 +40,8 @@ def test_auto_dtype_is_bf16_and_the_target_lands_on_the_gpu():
     assert resolve_dtype(TargetConfig()) == "bfloat16"
     target = _ctx(Store("unused"), "cuda").target_loader.target
     assert target.device.type == "cuda"
+    # decoding meets a new key length every step; cuDNN's attention would plan each one
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_features_on_cuda_equal_the_cpu_within_bf16(cpu_and_cuda):
