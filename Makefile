@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 PINS := $(VENV)/pins.txt
 
-.PHONY: setup vllm demo test lint
+.PHONY: setup vllm demo test test-fast lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,9 +36,16 @@ vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/opd run full
 
+TEST_ENV := PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 DO_NOT_TRACK=1 \
+	PREFECT_SERVER_ANALYTICS_ENABLED=false
+
+# The whole suite, vLLM's engine included: what CI runs (.ci/run).
 test: $(STAMP) $(VLLM_STAMP)
-	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
-	  $(BIN)/python -m pytest -q tests
+	$(TEST_ENV) $(BIN)/python -m pytest -q tests
+
+# For quick local runs: everything but the tests that start vLLM engines (no `make vllm` needed).
+test-fast: $(STAMP)
+	$(TEST_ENV) $(BIN)/python -m pytest -q -m 'not vllm' tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

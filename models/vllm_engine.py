@@ -14,6 +14,8 @@ Errors a user can act on are raised as `VllmError` with a one-line message.
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
 import re
 import sys
@@ -128,6 +130,21 @@ def device() -> str:
     return str(current_platform.device_type)
 
 
+class _ChatWarmupFilter(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" warning: engines start with
+    `skip_tokenizer_init` (token ids in and out), so there is no template to warm up, and its
+    multi-line stack read like a crash. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Chat template warmup failed")
+
+
+def _quiet_known_noise() -> None:
+    logger = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _ChatWarmupFilter) for f in logger.filters):
+        logger.addFilter(_ChatWarmupFilter())
+
+
 def _prepare_environment() -> None:
     # Read when vLLM is first imported; engine processes inherit them. vLLM logs to stdout by
     # default, which would corrupt `--json` output.
@@ -223,6 +240,7 @@ def engine(spec: EngineSpec) -> Any:
         # Per request, not the process-wide Prometheus `vllm:spec_decode_*` counters: a newer
         # engine in the same process unregisters an older one's, and both carry the same labels.
         kwargs["per_request_spec_decode_metrics"] = "summary"
+    _quiet_known_noise()
     with _stderr_tail() as tail:
         try:
             llm = LLM(**kwargs)
@@ -246,6 +264,9 @@ def close(spec: EngineSpec | None = None) -> None:
         llm = _ENGINES.pop(key, None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+    # vLLM kills its engine process on shutdown but never waits for it, which leaves a defunct
+    # `VLLM::EngineCore` until this process ends; asking for the live children reaps the dead.
+    multiprocessing.active_children()
 
 
 def _sampling(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 from models.vllm_engine import (
     EngineSpec,
     SpecCounters,
+    _quiet_known_noise,
     _request_counters,
     _root_cause,
     _start_failure,
@@ -47,3 +49,15 @@ def test_a_refusal_names_the_drafter_export():
     msg = str(_start_failure(EngineSpec("/m", drafter="/exports/d"), err, []))
     assert msg.startswith("vLLM refused the drafter export /exports/d: ValueError: Model")
     assert "\n" not in msg
+
+
+def test_only_the_chat_template_warmup_warning_is_dropped(caplog):
+    # engines skip the tokenizer, so vLLM's chat-template warm-up always fails, harmlessly
+    _quiet_known_noise()
+    _quiet_known_noise()  # idempotent: one filter however many engines start
+    logger = logging.getLogger("vllm.renderers.base")
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.WARNING, logger="vllm.renderers.base"):
+        logger.warning("Chat template warmup failed", exc_info=ValueError("no tokenizer"))
+        logger.warning("Something else failed")
+    assert [r.getMessage() for r in caplog.records] == ["Something else failed"]

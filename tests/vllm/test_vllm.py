@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -145,3 +146,22 @@ def test_an_engine_without_room_for_its_kv_cache_names_the_setting(embedded: Emb
         vllm_engine.engine(vllm_engine.EngineSpec(str(model)))
     msg = str(err.value)
     assert "\n" not in msg and "VLLM_CPU_KVCACHE_SPACE" in msg, msg
+
+
+def _defunct_children() -> list[str]:
+    kids = []
+    for task in Path("/proc/self/task").iterdir():
+        kids += (task / "children").read_text().split()
+    states = {}
+    for pid in kids:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        states[pid] = (stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2])
+    return [f"{pid} {name}" for pid, (name, state) in states.items() if state == "Z"]
+
+
+def test_closing_an_engine_leaves_no_defunct_engine_process(embedded: Embedded, eagle3_export):
+    # the last test of this module to use the EAGLE-3 engine: the chain closes engines it started
+    # and runs on, so a killed engine core must not stay behind as a zombie
+    plain = embedded.plain
+    vllm_engine.close(vllm_engine.EngineSpec(plain.model, plain.dtype, str(eagle3_export), K))
+    assert _defunct_children() == []
