@@ -55,9 +55,13 @@ def _experiment_context(
 ) -> tuple[Any, Any]:
     """(config, RunContext) of an experiment command. It logs its progress to stderr also with
     --json (stdout then holds only the JSON): an experiment runs for minutes to hours."""
+    from pipeline.core.drafters import check_drafter_settings
     from pipeline.core.runner import RunContext
 
     cfg, loader = command_target(command_config(profile, sets), profile, sets)
+    # Every experiment trains a warm-up drafter: its settings must not fail after the stages
+    # before it ran.
+    check_drafter_settings(cfg.drafter, loader.target)
     setup_logging()
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json, run_name=name)
     return cfg, ctx
@@ -90,14 +94,14 @@ def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
 )
 @click.option(
     "--first-seed",
-    type=click.IntRange(min=0),
+    type=int,  # bounded by check_arm_options, a one-line error like every refusal
     default=None,
     help="First seed of the arms [default: sft.seed]; the warm-up keeps sft.seed, so processes "
     "running disjoint seeds share it.",
 )
 @click.option(
     "--budget-ratio",
-    type=click.FloatRange(min=0, min_open=True),
+    type=float,  # bounded by check_arm_options, a one-line error like every refusal
     default=1.0,
     show_default=True,
     help="Budget per arm as a share of the SFT warm-up's row-steps.",
@@ -189,7 +193,7 @@ def opd_vs_sft_cmd(
 )
 @click.option(
     "--budget-ratio",
-    type=click.FloatRange(min=0, min_open=True),
+    type=float,  # bounded by check_arm_options, a one-line error like every refusal
     default=0.25,
     show_default=True,
     help="Budget per variant as a share of the SFT warm-up's row-steps (small, so the default "

@@ -4,11 +4,12 @@ that decodes fastest here."""
 from __future__ import annotations
 
 import json
+import math
 
 import click
 
 from cli.common import PROFILE_HELP, command_config, command_target, setup_logging
-from storage import OpdError, Store, check_run_name
+from storage import Dataset, OpdError, Store, check_run_name
 
 
 @click.command("eval")
@@ -217,19 +218,15 @@ def tune_cmd(
     from models.draft_length import TuneOptions
     from pipeline.core.tuning import heldout_prompts, run_tune
 
-    for name, value in (
-        ("--repeats", repeats),
-        ("--candidates", candidates),
-        ("--threads", threads),
-    ):
-        if value < 1:
-            raise OpdError(f"{name} must be >= 1, got {value}")
+    _check_tune_options(temperature, max_prompts, repeats, candidates, threads)
     torch.set_num_threads(threads)
     cfg = command_config(profile, sets)
     drafter, prompts_ds = store.open(drafter_ref), store.open(prompts_ref)
+    _check_prompts_dataset(prompts_ds)
     cfg, loader = command_target(cfg, profile, sets, [drafter, prompts_ds])
     ecfg = cfg.evaluate
-    prompts = heldout_prompts(prompts_ds, ecfg.split, max_prompts or ecfg.max_prompts)
+    n_prompts = ecfg.max_prompts if max_prompts is None else max_prompts
+    prompts = heldout_prompts(prompts_ds, ecfg.split, n_prompts)
     opts = TuneOptions(ecfg.max_new_tokens, repeats=repeats, candidates=candidates)
     result = run_tune(drafter, prompts, loader, temperature, cfg.drafting.k, opts)
     if as_json:
@@ -250,3 +247,31 @@ def tune_cmd(
         f"fastest at T={temperature}: K={best['k']} stop={best['threshold']} "
         f"({best['speedup_vs_plain']}x); serve with K={serve['k']} (vLLM drafts a fixed K)"
     )
+
+
+def _check_tune_options(
+    temperature: float, max_prompts: int | None, repeats: int, candidates: int, threads: int
+) -> None:
+    """Refuse, before any work, a setting `opd tune` would record as measured."""
+    counts = [("--repeats", repeats), ("--candidates", candidates), ("--threads", threads)]
+    if max_prompts is not None:  # 0 would read as unset, a negative count as a slice
+        counts.insert(0, ("--max-prompts", max_prompts))
+    for name, value in counts:
+        if value < 1:
+            raise OpdError(f"{name} must be >= 1, got {value}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise OpdError(
+            f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
+        )
+
+
+def _check_prompts_dataset(prompts_ds: Dataset) -> None:
+    """`--prompts` names the prompts evaluate decodes, not another stage's dataset."""
+    from pipeline.stages import evaluate
+
+    kinds = evaluate.STAGE.input_kinds("prompts")
+    if prompts_ds.ref.name not in kinds:
+        raise OpdError(
+            f"--prompts {prompts_ds.ref} is a {prompts_ds.ref.name} dataset, not a "
+            f"{' or '.join(kinds)} dataset: pass --prompts prompts@VERSION (or prompts@latest)"
+        )

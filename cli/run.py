@@ -117,7 +117,7 @@ def run_cmd(
     if use_prefect and ((nproc or 1) > 1 or ranks is not None):
         raise OpdError(
             "--prefect runs in one process: drop --nproc/torchrun, or fan out with the flow's "
-            "`workers` parameter (see README, Scaling out)"
+            "`workers` parameter (see docs/reference.md, Scaling out)"
         )
     check_run_name(run_name)  # before any work: a bad name must not fail a finished run
     cfg = load_config(profile or "default", config_file, list(sets))
@@ -166,6 +166,7 @@ def _run(
     """`opd run` in this process: alone, or as one rank of a torchrun launch (`ranks`)."""
     from pipeline import distributed
     from pipeline.chains import CHAINS, record_results, run_chain, single_step
+    from pipeline.core.drafters import check_drafter_settings
     from pipeline.core.runner import RunContext
     from pipeline.core.targets import TargetLoader, target_for
 
@@ -174,6 +175,10 @@ def _run(
     )
     if stage in CHAINS:
         steps = CHAINS[stage](cfg)
+        if any(s.stage.name == "sft" for s in steps):
+            # sft's own check runs only once the stages before it have: a drafter the warm-up
+            # cannot build must not cost them.
+            check_drafter_settings(cfg.drafter, ctx.target_loader.target)
         external = {}
         forced = {s.key for s in steps} if force else set()
     else:

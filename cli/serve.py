@@ -97,10 +97,12 @@ def export_cmd(
     cfg = command_config(profile, sets, k)
     drafter = store.open(drafter_ref)
     cfg, loader = command_target(cfg, profile, sets, [drafter])
-    if k is None:
-        k, source = serving_k(drafter, temperature, trained_k(drafter) or cfg.drafting.k)
-    else:
+    if k is not None:
         source = "--k"
+    elif any(s.partition("=")[0].strip() == "drafting.k" for s in sets):
+        k, source = cfg.drafting.k, "--set drafting.k"  # stated like any other setting
+    else:
+        k, source = serving_k(drafter, temperature, trained_k(drafter) or cfg.drafting.k)
     info = export_drafter(drafter, loader, fmt, out, k, overwrite=overwrite, verifier=verifier)
     if info["num_speculative_tokens"] != k:
         source = f"the drafter's block (asked for {k}; vLLM drafts a whole block)"

@@ -139,6 +139,15 @@ def predict(
     )
 
 
+def predict_at_tau(tau: float, costs: StepCosts, k: int) -> Prediction:
+    """The model's tokens/s of K drafts with no stop at a mean tau measured elsewhere: a
+    projection for a target whose own tau cannot be measured (random weights of a real shape),
+    fed with that target's measured costs. Prefill is left out (long decodes amortise it)."""
+    forwards = 1 if costs.blocks else k
+    seconds = costs.verify_s[k + 1] + forwards * costs.drafter_s + costs.overhead_s
+    return Prediction(k, 0.0, tau, float(k), float(forwards), tau / seconds)
+
+
 def sweep(
     steps: Sequence[LoggedStep],
     costs: StepCosts,

@@ -21,7 +21,7 @@ What a kind provides:
 Proposals. Per verify step a proposer returns a `Proposal`: N drafted nodes per batch row. A
 chain (or a block drafted in one forward) is the proposal whose node i continues node i-1; a
 tree gives each node its parent. The loop verifies every shape in one target forward and
-accepts losslessly (see models/decoding.py).
+accepts losslessly (see models/verify.py).
 """
 
 from __future__ import annotations
@@ -187,6 +187,18 @@ class Drafter(nn.Module, ABC):
         """The most draft offsets a drafter of these settings can propose per step (None: no
         bound of its own; a chain drafter is bounded only by what it was trained for)."""
         return None
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
+        """Refuse settings `new` could not build a drafter of for `target` (ValueError naming
+        the setting), without allocating one: callers run it before any work. A kind without
+        settings accepts none (`new` refuses them)."""
+
+    @classmethod
+    def settings_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The settings a saved drafter config (`config.to_dict()`) was built with, by setting
+        name: what continuing that drafter must not contradict (its architecture is fixed)."""
+        return {}
 
     @classmethod
     @abstractmethod

@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import load_file, save_file
 from torch import Tensor
@@ -50,14 +51,25 @@ def save_drafter(drafter: Drafter, directory: str | os.PathLike) -> Path:
     return directory
 
 
-def recorded_kind(directory: str | os.PathLike) -> str:
-    """The kind a `save_drafter` directory records (EAGLE-3 when it predates kinds)."""
+def _recorded_config(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: is {directory} a directory written by save_drafter?"
         )
-    return json.loads(path.read_text()).get(KIND_KEY, DEFAULT_KIND)
+    return json.loads(path.read_text())
+
+
+def recorded_kind(directory: str | os.PathLike) -> str:
+    """The kind a `save_drafter` directory records (EAGLE-3 when it predates kinds)."""
+    return _recorded_config(directory).get(KIND_KEY, DEFAULT_KIND)
+
+
+def recorded_settings(directory: str | os.PathLike) -> dict[str, Any]:
+    """The kind's settings a `save_drafter` directory's drafter was built with
+    (`Drafter.settings_of`), without loading its weights."""
+    config = _recorded_config(directory)
+    return drafter_class(config.pop(KIND_KEY, DEFAULT_KIND)).settings_of(config)
 
 
 def load_drafter(

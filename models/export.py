@@ -1,7 +1,8 @@
 """Export any drafter kind for serving, and read an export back.
 
 Each kind writes its own formats (`Drafter.export_formats`; EAGLE-3's in models/eagle3/export.py)
-and checks its invariants before a file is written. Every export records its provenance, the
+and checks its invariants before a file is written; the file names, `PROVENANCE_KEY` and
+`ExportError` they share are in models/export_format.py. Every export records its provenance, the
 drafter kind included, under `PROVENANCE_KEY` in its config.json, so `read_export` knows which
 kind reads it back; the round trip (`round_trip_diff`) then compares the exported drafter's logits
 with the trained one's on a fixed probe input.
@@ -20,14 +21,7 @@ from torch import Tensor
 
 from models.drafter import Drafter
 from models.drafters import drafter_class
-
-PROVENANCE_KEY = "opd_pipeline"
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-
-
-class ExportError(ValueError):
-    """An export (or an exported directory) violates an invariant vLLM silently depends on."""
+from models.export_format import CONFIG_FILE, PROVENANCE_KEY, ExportError
 
 
 def write_export(

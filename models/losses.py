@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.teacher import TeacherLogits
 from models.vocab import DraftVocab
 
 
@@ -38,7 +39,7 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def teacher_draft_probs(
-    target_logits: Tensor,
+    target_logits: Tensor | TeacherLogits,
     vocab: DraftVocab,
     temperature: float = 1.0,
     *,
@@ -58,6 +59,9 @@ def teacher_draft_probs(
 
     temperature 0 is greedy: a one-hot at the argmax (of the draft ids' logits when renormalising;
     of the full vocab otherwise, which is all-zero on the draft vocab when that token is outside it).
+
+    `target_logits` may be a `TeacherLogits` (the same logits reduced in vocabulary blocks; a
+    renormalised teacher is then bit for bit the same when one block held the whole vocabulary).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -66,6 +70,22 @@ def teacher_draft_probs(
             f"target_logits last dim is {target_logits.shape[-1]}, the draft vocab maps a "
             f"{vocab.vocab_size}-token target vocab"
         )
+    if isinstance(target_logits, TeacherLogits):
+        draft = target_logits.draft
+        if draft.shape[-1] != vocab.draft_vocab_size:
+            raise ValueError(
+                f"the teacher holds {draft.shape[-1]} draft ids, the draft vocab has "
+                f"{vocab.draft_vocab_size}"
+            )
+        if temperature == 0:
+            if renormalize:
+                return F.one_hot(draft.argmax(-1), vocab.draft_vocab_size).float()
+            top = vocab.to_draft(target_logits.top)  # -1: the argmax lies outside the draft vocab
+            hot = F.one_hot(top.clamp_min(0), vocab.draft_vocab_size).float()
+            return hot * (top >= 0)[..., None]
+        if renormalize:
+            return (draft / temperature).softmax(-1)
+        return target_logits.full_mass(temperature)
     ids = vocab.draft_to_target_ids.to(target_logits.device)
     logits = target_logits.float()
     if temperature == 0:

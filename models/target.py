@@ -28,6 +28,9 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from models.teacher import TeacherLogits, teacher_logits
+from models.vocab import DraftVocab
+
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3 / vLLM default feature layers, HF `hidden_states[k]` convention (state entering layer k)."""
@@ -260,6 +263,16 @@ class Target:
         """The frozen LM head: post-norm hidden [..., H] -> fp32 logits [..., V]."""
         weight = self.lm_head_weight
         return F.linear(last_hidden.to(device=weight.device, dtype=weight.dtype), weight).float()
+
+    @torch.no_grad()
+    def teacher(
+        self, last_hidden: Tensor, vocab: DraftVocab, temperatures: Sequence[float] = ()
+    ) -> TeacherLogits:
+        """The training teacher at post-norm hidden [..., H], in vocabulary blocks of bounded
+        size (`models.teacher`): what `logits_from_hidden` gives, without the [..., V] logits."""
+        return teacher_logits(
+            last_hidden, self.lm_head_weight, vocab.draft_to_target_ids, temperatures
+        )
 
     def _mask_4d(self, mask: Tensor) -> Tensor:
         if mask.dtype != torch.bool:
@@ -590,5 +603,5 @@ def _state_identity(model: nn.Module) -> dict[str, Any]:
     for name, tensor in sorted(model.state_dict().items()):
         data = tensor.detach().cpu().contiguous()
         digest.update(json.dumps([name, str(data.dtype), list(data.shape)]).encode())
-        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy())  # a view: no copy of a 2 GB head
     return {"path": None, "weights_sha256": digest.hexdigest()}

@@ -8,6 +8,7 @@ Layout under the data root (``--root`` / ``OPD_HOME``, default ``./opd-data``)::
         .<shard>.meta.json              per-shard rows/bytes/sha256 while the dataset is incomplete
     <root>/<name>/LATEST                the version the newest commit (or reuse) produced
     <root>/_runs/<run>.json             a run: which version each stage produced
+    <root>/_tune/<NAME-VERSION>.json    `opd tune`'s measurements (pipeline.core.tuning)
     <root>/_cache/verified/...          which shards were checksummed already (size + mtime)
     <root>/<name>/.<version>.staging/   a forced recompute of a committed version, until it commits
 
@@ -45,6 +46,7 @@ import pyarrow.parquet as pq
 
 from storage.errors import CorruptDataset, DatasetNotFound, OpdError
 from storage.fingerprint import VERSION_LEN, dataset_version
+from storage.jsonfile import UnreadableJson, read_json_object
 from storage.provenance import now_iso, provenance
 
 MANIFEST = "manifest.json"
@@ -151,7 +153,7 @@ def _complete(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def _stale_tmp(path: Path) -> bool:
+def stale_temporary(path: Path) -> bool:
     """A temporary whose writing process is gone (a live one may still rename it)."""
     m = _TMP_PID_RE.search(path.name)
     if m is None:
@@ -163,6 +165,48 @@ def _stale_tmp(path: Path) -> bool:
     except (PermissionError, OverflowError):
         return False
     return False
+
+
+def _names(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd` (gc may have unlinked it)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def take_lock(path: Path, waiting: str | None = None) -> int:
+    """An exclusive flock on the lock file `path`, waiting for its holder (saying `waiting`
+    on stderr first). `opd gc` unlinks a lock file only while it holds it, so a lock that
+    turns out to be on an unlinked file (gc removed it between our open and our flock) is
+    dropped and taken again on the file the path names now: two writers never hold locks
+    on two different files of one path."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting is not None:  # stderr: stdout may be a command's --json answer
+                    print(f"[opd] {waiting}; waiting for it", file=sys.stderr, flush=True)
+                    waiting = None
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if _names(fd, path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or directory gc found; a link is unlinked, never followed."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 _AT_FDCWD = -100
@@ -234,17 +278,12 @@ class Dataset:
                 )
             raise DatasetNotFound(f"dataset {ref} does not exist under {store.root}; see `opd ls`")
         try:
-            self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self.manifest: dict[str, Any] = read_json_object(manifest_path)
+        except UnreadableJson as e:
             raise CorruptDataset(
-                f"{ref}: manifest.json does not parse ({e}); the dataset is corrupted: "
+                f"{ref}: manifest.json does not parse ({e.reason}); the dataset is corrupted: "
                 f"delete {self.path} and re-run its stage"
             ) from None
-        if not isinstance(self.manifest, dict):
-            raise CorruptDataset(
-                f"{ref}: manifest.json is not a JSON object; the dataset is corrupted: "
-                f"delete {self.path} and re-run its stage"
-            )
         # Manifests written before they carried a checksum are read as they are.
         expected = self.manifest.get(_MANIFEST_SUM)
         if expected is not None and expected != _manifest_sum(self.manifest):
@@ -422,18 +461,7 @@ class DatasetWriter:
         # One lock per rank: ranks of a sharded stage write disjoint shards side by side.
         suffix = "" if self.world_size == 1 else f".r{self.rank}"
         lock = self.dir.parent / f".{self.version}{suffix}.lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            # stderr: stdout may be a command's --json answer
-            print(
-                f"[opd] {self.ref} is being written by another process; waiting for it",
-                file=sys.stderr,
-                flush=True,
-            )
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        self._lock_fd = fd
+        self._lock_fd = take_lock(lock, waiting=f"{self.ref} is being written by another process")
         if self.rank == 0:
             self.store._restore(self.name, self.version)
             staging = self.store.staging_dir(self.name, self.version)
@@ -502,11 +530,8 @@ class DatasetWriter:
     def commit_lock(self) -> Iterator[None]:
         """Held by the rank deciding whether to commit: two ranks finishing together must not
         both find every rank done and both commit (the second would list no shards)."""
-        fd = os.open(
-            self.dir.parent / f".{self.version}.commit.lock", os.O_RDWR | os.O_CREAT, 0o644
-        )
+        fd = take_lock(self.dir.parent / f".{self.version}.commit.lock")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -814,18 +839,12 @@ class Store:
         if not path.exists():
             raise DatasetNotFound(f"no run named {run!r} under {self.root}; see {path.parent}")
         try:
-            produced = json.loads(path.read_text())["datasets"]
+            produced = read_json_object(path)["datasets"]
             refs = {str(k): DatasetRef.parse_exact(v) for k, v in produced.items()}
-        except (
-            json.JSONDecodeError,
-            UnicodeDecodeError,
-            KeyError,
-            TypeError,
-            AttributeError,
-            OpdError,
-        ) as e:
+        except (KeyError, TypeError, AttributeError, OpdError) as e:
+            why = e.reason if isinstance(e, UnreadableJson) else e
             raise CorruptDataset(
-                f"run record {path} is corrupted ({e}); delete it and re-run the chain "
+                f"run record {path} is corrupted ({why}); delete it and re-run the chain "
                 "with --run-name to record it again"
             ) from None
         return {k: str(ref) for k, ref in refs.items()}
@@ -928,7 +947,7 @@ class Store:
                     rows.append(row | {"created": None})
                     continue
                 try:
-                    m = json.loads((d / MANIFEST).read_text())
+                    m = read_json_object(d / MANIFEST)
                     problem = _identity_problem(self, DatasetRef(n, v), m)
                     row |= {
                         "complete": problem is None,
@@ -941,7 +960,11 @@ class Store:
                 except FileNotFoundError:
                     partial = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
                     row |= {"complete": False, "rows": None, "bytes": partial, "created": None}
-                except (json.JSONDecodeError, KeyError):
+                except UnreadableJson as e:
+                    invalid = f"{d / MANIFEST} does not parse ({e.reason})"
+                    row |= {"complete": False, "invalid": invalid, "rows": None, "bytes": None}
+                    row["created"] = "corrupt"
+                except KeyError:
                     row |= {"complete": False, "rows": None, "bytes": None, "created": "corrupt"}
                 rows.append(row)
         return rows
@@ -988,32 +1011,16 @@ class Store:
         for name in self.names():
             d = self.root / name
             beside = {m.group(1) for p in d.iterdir() if (m := _BESIDE_RE.fullmatch(p.name))}
-            for v in sorted({*self.versions(name), *beside}):
-                if self._locked(name, v) or _outside_root(self, self.dataset_dir(name, v)):
-                    continue  # held by a writer, or not the root's to clean
-                keep = self._recovery_source(name, v)
-                if not dry_run:
-                    self._restore(name, v)
-                    keep = None
-                final = self.dataset_dir(name, v)
-                if final.is_dir() and not _complete(final):
-                    doomed.append(final)
-                elif _complete(final):
-                    doomed += [
-                        *final.glob("**/.*.tmp-*"),
-                        *final.glob("**/.*.meta.json"),
-                        *final.glob(".rank-*"),
-                    ]
-                if keep is None:
-                    doomed += self._replacement_leftovers(name, v)
-                else:  # dry run: what the restore would leave beside the version
-                    beside_v = [self.staging_dir(name, v), *self._replaced_dirs(name, v)]
-                    doomed += [p for p in beside_v if p.exists() and p != keep]
-            for lock in d.glob(".*.lock"):
-                v = lock.name[1:].split(".")[0]
-                if not self.dataset_dir(name, v).exists() and not self._locked(name, v):
-                    doomed.append(lock)
-            doomed += [p for p in d.glob(".*.tmp-*") if _stale_tmp(p)]
+            locked = {p.name[1:].split(".")[0] for p in d.glob(".*.lock")}
+            for v in sorted({*self.versions(name), *beside, *locked}):
+                if _outside_root(self, self.dataset_dir(name, v)):
+                    continue  # not the root's to clean
+                # Removed while holding the version's locks: a writer starting now waits for
+                # gc, then finds its lock file gone and takes a new one (`take_lock`).
+                with self._hold(name, v, create=not dry_run) as locks:
+                    if locks is not None:  # else held by a writer
+                        doomed += self._gc_version(name, v, locks, dry_run)
+            doomed += [p for p in d.glob(".*.tmp-*") if stale_temporary(p)]
         work = self.root / "_work"
         for v_dir in work.glob("*/*") if work.is_dir() else []:
             v = v_dir.name
@@ -1022,21 +1029,89 @@ class Store:
             if self._committed_anywhere(v):
                 doomed.append(v_dir)  # checkpoints of a finished stage: never read again
             else:
-                doomed += [p for p in v_dir.glob(".*.tmp-*") if _stale_tmp(p)]
+                doomed += [p for p in v_dir.glob(".*.tmp-*") if stale_temporary(p)]
         cache = self.root / "_cache" / "verified"
         for c_dir in cache.glob("*/*") if cache.is_dir() else []:
             if not _complete(self.dataset_dir(c_dir.parent.name, c_dir.name)):
                 doomed.append(c_dir)
-        for folder in (self.root, self.root / "_runs", *cache.glob("*/*")):
+        for folder in (self.root, self.root / "_runs", self.root / "_tune", *cache.glob("*/*")):
             if folder.is_dir():
-                doomed += [p for p in folder.glob(".*") if p.is_file() and _stale_tmp(p)]
+                doomed += [p for p in folder.glob(".*") if p.is_file() and stale_temporary(p)]
         # Once each, and not again inside a directory that goes anyway.
         doomed = list(dict.fromkeys(doomed))
         doomed = [p for p in doomed if not any(q in p.parents for q in doomed)]
         if not dry_run:
             for p in doomed:
-                if p.is_dir():
-                    shutil.rmtree(p)
-                else:
-                    p.unlink(missing_ok=True)
+                _remove(p)
         return doomed
+
+    def _gc_version(
+        self, name: str, v: str, locks: list[tuple[Path, bool]], dry_run: bool
+    ) -> list[Path]:
+        """What gc removes of one version whose locks it holds (removed now unless
+        `dry_run`): an incomplete directory, a complete one's leftovers, and its lock files
+        once nothing of the version is left."""
+        keep = self._recovery_source(name, v)
+        if not dry_run:
+            self._restore(name, v)
+            keep = None
+        final = self.dataset_dir(name, v)
+        found: list[Path] = []
+        if (final.is_dir() or final.is_symlink()) and not _complete(final):
+            found.append(final)
+        elif _complete(final):
+            found += [
+                *final.glob("**/.*.tmp-*"),
+                *final.glob("**/.*.meta.json"),
+                *final.glob(".rank-*"),
+            ]
+        if keep is None:
+            found += self._replacement_leftovers(name, v)
+        else:  # dry run: what the restore would leave beside the version
+            beside_v = [self.staging_dir(name, v), *self._replaced_dirs(name, v)]
+            found += [p for p in beside_v if p.exists() and p != keep]
+        # Lock files go once nothing of the version is left; reported only where they were
+        # all that was left (gc's own, or those of a directory it removes, go silently).
+        gone = [lock for lock, existed in locks if not existed]
+        rest = [final, self.staging_dir(name, v), *self._replaced_dirs(name, v)]
+        if not any(p.exists() or p.is_symlink() for p in rest if p not in found):
+            theirs = [lock for lock, existed in locks if existed]
+            (gone if final in found else found).extend(theirs)
+        if not dry_run:
+            for p in [*found, *gone]:
+                _remove(p)
+        return found
+
+    @contextlib.contextmanager
+    def _hold(
+        self, name: str, version: str, *, create: bool
+    ) -> Iterator[list[tuple[Path, bool]] | None]:
+        """Every lock file of `version` taken without waiting: (path, whether it existed
+        before) per lock, or None when a writer holds one. With `create` the plain writer's
+        lock is taken even where its file did not exist, so no writer starts meanwhile."""
+        d = self.root / name
+        plain = d / f".{version}.lock"
+        paths = sorted({*d.glob(f".{version}*.lock"), *([plain] if create else [])})
+        held: list[tuple[Path, int, bool]] = []
+        try:
+            for path in paths:
+                existed = path.exists()
+                flags = os.O_RDWR | (os.O_CREAT if create and path == plain else 0)
+                try:
+                    fd = os.open(path, flags, 0o644)
+                except FileNotFoundError:
+                    continue  # removed since the glob (another gc)
+                held.append((path, fd, existed))
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    break
+                if not _names(fd, path):
+                    break  # another gc removed it meanwhile: the version is its to clean
+            else:
+                yield [(path, existed) for path, _, existed in held]
+                return
+            yield None
+        finally:
+            for _, fd, _ in held:
+                os.close(fd)  # releases the flock

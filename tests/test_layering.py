@@ -149,3 +149,74 @@ def test_no_unpickling_calls():
     for p in _files(*PACKAGES, "flows", "tests"):
         found = _unpickling_calls(p.read_text())
         assert not found, f"{p.relative_to(REPO)}: {found}"
+
+
+def _project_imports(source: str, modules: set[str]) -> set[str]:
+    """The project modules a source imports anywhere, function bodies included (a lazy import
+    still runs, so it can still close a circle), except under `if TYPE_CHECKING:`."""
+    tree = ast.parse(source)
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:  # `from a import b`: the module a.b, else a's own names
+                full = f"{node.module}.{a.name}"
+                found |= {full} if full in modules else {node.module} & modules
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of `graph` (module -> modules it imports), [] when there is none."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return []
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if found := visit(dep):
+                return found
+        path.pop()
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        if found := visit(module):
+            return found
+    return []
+
+
+def test_the_cycle_check_sees_lazy_imports_and_skips_type_checking_ones():
+    modules = {"models.a", "models.b", "models.c"}
+    lazy = "def f():\n    from models.b import thing\n"
+    assert _project_imports(lazy, modules) == {"models.b"}
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import models.b\n"
+    assert _project_imports(typing_only, modules) == set()
+    assert _project_imports("from models import a, x\n", modules) == {"models.a"}
+    circle = {"models.a": {"models.b"}, "models.b": {"models.c"}, "models.c": {"models.a"}}
+    assert _cycle(circle) == ["models.a", "models.b", "models.c", "models.a"]
+    assert _cycle({"models.a": {"models.b"}, "models.b": set()}) == []
+
+
+def test_no_import_cycles():
+    # Every module can be imported on its own, from the top: an import circle held together
+    # only by function-level imports breaks as soon as someone moves one of them up.
+    files = {}
+    for p in _files(*PACKAGES, "flows"):
+        parts = p.relative_to(REPO).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {m: _project_imports(p.read_text(), set(files)) - {m} for m, p in files.items()}
+    cycle = _cycle(graph)
+    assert not cycle, f"import cycle: {' -> '.join(cycle)}"

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from models.acceptance import AcceptanceStats
+from models.dflash.export import export_dflash, read_dflash_export
 from models.dflash.model import (
     DEFAULT_ANCHORS,
     DEFAULT_BLOCK_SIZE,
@@ -47,6 +48,8 @@ SETTINGS = {
     "mask_token_id": None,  # None: `models.dflash.model.default_mask_token`
     "head": DEFAULT_HEAD,
 }
+CONFIG_FIELDS = {name: "num_layers" if name == "layers" else name for name in SETTINGS}
+"""Each setting's field in DFlashConfig."""
 
 
 class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
@@ -63,17 +66,42 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
 
     @classmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> DFlashDrafter:
+        if cls._given(settings)["head"] == "target":
+            vocab = DraftVocab.full(target.vocab_size)  # the target's head reads every id
+        config = cls._config(target, vocab.draft_vocab_size, settings)
+        drafter = cls(config, target.embed_weight, vocab)
+        if config.head == "target":
+            drafter.take_target_head(target.lm_head_weight)
+        return drafter
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
+        # Every rule of DFlashConfig, on the config alone (no tensors). The draft vocab's size
+        # is no setting (the features' map gives it): the target's, which every rule accepts.
+        cls._config(target, target.vocab_size, settings)
+
+    @classmethod
+    def settings_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        # A config saved before a setting existed holds its default (`head`).
+        return {name: config.get(field, SETTINGS[name]) for name, field in CONFIG_FIELDS.items()}
+
+    @staticmethod
+    def _given(settings: Mapping[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise ValueError(
                 f"unknown DFlash drafter settings {unknown}; DFlash takes {sorted(SETTINGS)}"
             )
-        given = SETTINGS | dict(settings)
-        if given["head"] == "target":  # the target's head reads every id: the features' map is moot
-            vocab = DraftVocab.full(target.vocab_size)
-        config = DFlashConfig.from_target(
+        return SETTINGS | dict(settings)
+
+    @classmethod
+    def _config(
+        cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
+    ) -> DFlashConfig:
+        given = cls._given(settings)
+        return DFlashConfig.from_target(
             target.config,
-            vocab.draft_vocab_size,
+            draft_vocab_size,
             target.aux_layer_ids,
             num_layers=given["layers"],
             block_size=given["block_size"],
@@ -81,10 +109,6 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
             anchors=given["anchors"],
             head=given["head"],
         )
-        drafter = cls(config, target.embed_weight, vocab)
-        if config.head == "target":
-            drafter.take_target_head(target.lm_head_weight)
-        return drafter
 
     def take_target_head(self, lm_head_weight: Tensor) -> None:
         """Copy the target's lm_head [V, H] into this drafter's frozen head."""
@@ -212,9 +236,6 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
         speculative_tokens: int,
         verifier: str | None,
     ) -> Path:
-        # export.py builds DFlashDrafters when it reads one back: imported here, not at the top.
-        from models.dflash.export import export_dflash
-
         return export_dflash(self, out_dir, target_identity=target_identity)
 
     def served_tokens(self, k: int) -> int:
@@ -223,11 +244,10 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
 
     @classmethod
     def read_export(cls, export_dir: Path, embed_weight: Tensor | None) -> DFlashDrafter:
-        from models.dflash.export import load_dflash_export
-
         if embed_weight is None:
             raise ValueError(f"{export_dir}: a DFlash export has no embedding; pass the target's")
-        return load_dflash_export(export_dir, embed_weight)
+        config, tensors = read_dflash_export(export_dir)
+        return cls.from_tensors(config.to_dict(), embed_weight, tensors, str(export_dir))
 
     @torch.no_grad()
     def probe_logits(self, seed: int) -> Tensor:

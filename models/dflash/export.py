@@ -26,9 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from models.dflash.drafter import DFlashDrafter
-from models.dflash.model import DEFAULT_HEAD, DFlashConfig
-from models.export import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE
+from models.dflash.model import DEFAULT_HEAD, DFlashConfig, DFlashModel
+from models.export_format import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -63,7 +62,7 @@ def dflash_config_json(cfg: DFlashConfig, target_identity: Mapping[str, Any] | N
         },
         PROVENANCE_KEY: {
             "format_version": 1,
-            "drafter_kind": DFlashDrafter.kind,
+            "drafter_kind": "dflash",
             "target_num_hidden_layers": cfg.target_num_layers,
             "anchors": cfg.anchors,
             "head": cfg.head,
@@ -73,7 +72,7 @@ def dflash_config_json(cfg: DFlashConfig, target_identity: Mapping[str, Any] | N
 
 
 def export_dflash(
-    drafter: DFlashDrafter,
+    drafter: DFlashModel,
     out_dir: str | os.PathLike,
     *,
     target_identity: Mapping[str, Any] | None = None,
@@ -81,7 +80,7 @@ def export_dflash(
 ) -> Path:
     """Write `config.json` and `model.safetensors` for vLLM's `"method": "dflash"`. A full
     draft vocab ships no `d2t` (vLLM maps draft ids only when the sizes differ)."""
-    if not isinstance(drafter, DFlashDrafter):
+    if not isinstance(drafter, DFlashModel):
         raise ValueError(f"a {drafter.kind} drafter cannot be exported in the dflash format")
     cfg = drafter.config
     tensors = {
@@ -104,8 +103,9 @@ def export_dflash(
     return out
 
 
-def load_dflash_export(export_dir: str | os.PathLike, embed_weight: Tensor) -> DFlashDrafter:
-    """Read an `export_dflash` directory back (with the target's embedding)."""
+def read_dflash_export(export_dir: str | os.PathLike) -> tuple[DFlashConfig, dict[str, Tensor]]:
+    """Read an `export_dflash` directory: its config and its checkpoint tensors
+    (`DFlashDrafter.read_export` builds the drafter from them, with the target's embedding)."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / CONFIG_FILE).read_text())
     if ARCHITECTURE not in (config.get("architectures") or []):
@@ -135,4 +135,4 @@ def load_dflash_export(export_dir: str | os.PathLike, embed_weight: Tensor) -> D
     if "d2t" not in tensors:  # a full draft vocab: the identity map
         tensors["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.int64)
         tensors["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-    return DFlashDrafter.from_tensors(cfg.to_dict(), embed_weight, tensors, str(export_dir))
+    return cfg, tensors

@@ -43,7 +43,7 @@ DEFAULT_BLOCK_SIZE = 8
 (drafting.ttt_steps), so one SFT trains the same offsets for either kind."""
 DEFAULT_LAYERS = 2
 """A single layer has only one attention hop from the context to the block. Measured on this CPU
-(README, DFlash section): the 2-layer forward over an 8-token block costs 0.63-0.68 of a
+(docs/drafters.md, DFlash): the 2-layer forward over an 8-token block costs 0.63-0.68 of a
 one-token forward of the 6-layer embedded target, not the small share hoped for."""
 HEADS = ("draft", "target")
 DEFAULT_HEAD = "draft"
@@ -51,7 +51,7 @@ DEFAULT_HEAD = "draft"
 tau_chain 2.55 / 2.97 / 3.29 / 3.49 / 3.62 at steps 200..600 with the draft head, 2.56 / 2.92 /
 3.30 / 3.44 / 3.60 with the target's frozen head, so no gain in acceptance, while the target's
 [V, H] head added 0.67 ms (12%) to a decoding drafter forward on this CPU
-(README, DFlash section)."""
+(docs/drafters.md, DFlash)."""
 DEFAULT_ANCHORS = 256
 """Anchors per training sequence: the default profile's sequences (prompt + 96 new tokens) are
 shorter, so every trainable position becomes an anchor; longer ones are subsampled."""
@@ -91,6 +91,18 @@ class DFlashConfig:
             raise ValueError(
                 f"DFlash block_size must be >= 2 (the anchor plus at least one drafted slot), "
                 f"got {self.block_size}"
+            )
+        if self.block_size > self.max_position_embeddings:
+            raise ValueError(
+                f"DFlash block_size {self.block_size} exceeds the target's "
+                f"{self.max_position_embeddings} positions (max_position_embeddings): a block "
+                "spans block_size positions; use a smaller block_size"
+            )
+        if self.num_layers > self.target_num_layers:
+            raise ValueError(
+                f"a {self.num_layers}-layer drafter is deeper than the target "
+                f"({self.target_num_layers} layers): a block would cost more than the target's "
+                "verify forward over it; use fewer layers"
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from models.acceptance import AcceptanceStats
 from models.drafter import FrozenEmbeddingDrafter, Proposer, Replayed, Shape, TreeShape
+from models.eagle3.export import export_eagle3, export_speculators, read_eagle3_export
 from models.eagle3.model import Eagle3Config, Eagle3Model
 from models.eagle3.propose import Eagle3Proposer, replay_drafts
 from models.eagle3.train import (
@@ -23,6 +24,7 @@ from models.eagle3.train import (
     ttt_acceptance,
     unrolled,
 )
+from models.export_format import ExportError
 from models.vocab import DraftVocab
 
 
@@ -158,9 +160,6 @@ class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter):
         speculative_tokens: int,
         verifier: str | None,
     ) -> Path:
-        # export.py builds Eagle3Drafters when it reads one back: imported here, not at the top.
-        from models.eagle3.export import export_eagle3, export_speculators
-
         if fmt == "eagle3":
             return export_eagle3(
                 self,
@@ -183,9 +182,11 @@ class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter):
 
     @classmethod
     def read_export(cls, export_dir: Path, embed_weight: Tensor | None) -> Eagle3Drafter:
-        from models.eagle3.export import load_export
-
-        return load_export(export_dir, embed_weight)
+        config, embed, tensors = read_eagle3_export(export_dir, embed_weight)
+        try:
+            return cls.from_tensors(config.to_dict(), embed, tensors, str(export_dir))
+        except ValueError as err:  # a tensor set or shape that does not fit the config
+            raise ExportError(str(err)) from None
 
     @torch.no_grad()
     def probe_logits(self, seed: int) -> Tensor:

@@ -30,9 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from models.eagle3.drafter import Eagle3Drafter
-from models.eagle3.model import Eagle3Config
-from models.export import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE, ExportError
+from models.eagle3.model import Eagle3Config, Eagle3Model
+from models.export_format import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE, ExportError
 from models.layers import rope_parameters_of
 from models.target import check_aux_layer_ids
 from models.vocab import DraftVocab
@@ -58,7 +57,7 @@ def _as_dict(target_config: Any) -> dict[str, Any]:
 
 
 def check_export_invariants(
-    drafter: Eagle3Drafter,
+    drafter: Eagle3Model,
     target_config: Any,
     target_embed_weight: Tensor | None = None,
 ) -> None:
@@ -182,7 +181,7 @@ def _write(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str
     return out
 
 
-def _export_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None) -> dict[str, Tensor]:
+def _export_tensors(drafter: Eagle3Model, dtype: torch.dtype | None) -> dict[str, Tensor]:
     tensors = drafter.tensors()
     return {
         name: t.to(dtype) if dtype is not None and t.is_floating_point() else t
@@ -191,7 +190,7 @@ def _export_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None) -> dict[s
 
 
 def export_eagle3(
-    drafter: Eagle3Drafter,
+    drafter: Eagle3Model,
     target_config: Any,
     out_dir: str | os.PathLike,
     *,
@@ -223,7 +222,7 @@ def export_eagle3(
 
 
 def export_speculators(
-    drafter: Eagle3Drafter,
+    drafter: Eagle3Model,
     target_config: Any,
     out_dir: str | os.PathLike,
     *,
@@ -302,14 +301,18 @@ def _aux_ids(config: dict[str, Any], speculators: bool, source: str) -> list[int
     return [int(i) for i in ids]
 
 
-def load_export(export_dir: str | os.PathLike, embed_weight: Tensor | None = None) -> Eagle3Drafter:
-    """Read a native or speculators EAGLE-3 export back into an Eagle3Drafter.
+def read_eagle3_export(
+    export_dir: str | os.PathLike, embed_weight: Tensor | None = None
+) -> tuple[Eagle3Config, Tensor, dict[str, Tensor]]:
+    """Read a native or speculators EAGLE-3 export: its config, the embedding it runs on and its
+    checkpoint tensors (`Eagle3Drafter.read_export` builds the drafter from them).
 
     A speculators export runs on the embedding it carries (as a loader that does not copy the
     verifier's would); `embed_weight`, when given, must equal it. A native export has none and
     runs on `embed_weight`, the target's. Refuses a corrupted export (missing d2t/t2d, missing,
-    out-of-range or unordered aux ids, inconsistent t2d, norm_before_residual true, a missing or
-    foreign embed_tokens, wrong tensor set or shapes).
+    out-of-range or unordered aux ids, norm_before_residual true, a missing or foreign
+    embed_tokens); `from_tensors` then refuses an inconsistent t2d and a wrong tensor set or
+    shapes.
     """
     export_dir = Path(export_dir)
     source = str(export_dir)
@@ -398,7 +401,4 @@ def load_export(export_dir: str | os.PathLike, embed_weight: Tensor | None = Non
         raise ExportError(
             f"{source}: a native EAGLE-3 export has no embedding; pass the target's embedding"
         )
-    try:
-        return Eagle3Drafter.from_tensors(drafter_config.to_dict(), embed_weight, tensors, source)
-    except ValueError as err:
-        raise ExportError(str(err)) from None
+    return drafter_config, embed_weight, tensors

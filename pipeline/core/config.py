@@ -86,6 +86,12 @@ class DraftTree(StrictConfig):
         return self
 
 
+MAX_BLOCK_SIZE = 128
+"""A DFlash block's static bound: 8x the largest block the public DFlash recipes train (8-16),
+since a block's training activations and attention grow with it at every anchor (a block of
+100,000 grew the process to 17 GB before it was killed); the target's positions bound it too."""
+
+
 class DrafterConfig(StrictConfig):
     """Which drafter kind a run trains, and that kind's own settings (each None = the kind's
     default, documented where the kind defines it: models/dflash/model.py)."""
@@ -93,10 +99,16 @@ class DrafterConfig(StrictConfig):
     kind: Literal["eagle3", "dflash"] = "eagle3"
     """eagle3: one layer drafting a chain, a forward per draft; dflash: a block drafted in one
     forward (models/dflash)."""
-    block_size: int | None = optional_field("dflash: anchor + drafted slots per block (>= 2)")
-    layers: int | None = optional_field("dflash: decoder layers")
-    anchors: int | None = optional_field("dflash: training anchors per sequence (at most)")
-    mask_token_id: int | None = optional_field(
+    # The bounds are checked before any work (the upper ones that depend on the target, as the
+    # target's positions, layers and vocab, by `Drafter.check_settings` when the target loads).
+    block_size: Annotated[int, Field(ge=2, le=MAX_BLOCK_SIZE)] | None = optional_field(
+        "dflash: anchor + drafted slots per block (>= 2)"
+    )
+    layers: Annotated[int, Field(ge=1)] | None = optional_field("dflash: decoder layers")
+    anchors: Annotated[int, Field(ge=1)] | None = optional_field(
+        "dflash: training anchors per sequence (at most)"
+    )
+    mask_token_id: Annotated[int, Field(ge=0)] | None = optional_field(
         "dflash: the mask slots' token id (default: the target's pad token, else its last id)"
     )
     head: Literal["draft", "target"] | None = optional_field(
@@ -112,11 +124,6 @@ class DrafterConfig(StrictConfig):
                 f"drafter.{given[0]} is a DFlash setting; EAGLE-3 drafters size themselves from "
                 "the target (drop it or set drafter.kind=dflash)"
             )
-        if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}")
-        for name in ("layers", "anchors"):
-            if (getattr(self, name) or 1) < 1:
-                raise ValueError(f"drafter.{name} must be >= 1, got {getattr(self, name)}")
         return self
 
     def settings(self) -> dict[str, Any]:

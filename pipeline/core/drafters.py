@@ -15,9 +15,18 @@ from typing import Any
 import pyarrow as pa
 
 from models.drafter import Drafter
-from models.drafters import CONFIG_FILE, WEIGHTS_FILE, load_drafter, recorded_kind, save_drafter
+from models.drafters import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    drafter_class,
+    load_drafter,
+    recorded_kind,
+    recorded_settings,
+    save_drafter,
+)
 from models.target import Target
 from pipeline.core.checks import VOCAB_FILE, check_same_target
+from pipeline.core.config import DrafterConfig
 from pipeline.core.stage import DRAFTER_DATASETS
 from storage import Dataset, DatasetWriter, OpdError
 
@@ -31,6 +40,39 @@ def drafter_kind(ds: Dataset) -> str:
     if ds.ref.name not in DRAFTER_DATASETS:
         raise OpdError(f"{ds.ref} is not a drafter; pass an sft or opd dataset (e.g. sft@latest)")
     return recorded_kind(ds.path)
+
+
+def check_continued_drafter(ds: Dataset, wanted: DrafterConfig) -> None:
+    """Refuse, before any work, to continue the drafter in `ds` as another kind, or with a
+    setting other than the one it was built with: its architecture is its checkpoint's, so the
+    setting would be recorded in the new dataset's config but not trained."""
+    kind = drafter_kind(ds)
+    if kind != wanted.kind:
+        raise OpdError(
+            f"{ds.ref} holds a {kind} drafter, but drafter.kind is {wanted.kind}: pass "
+            f"--set drafter.kind={kind} to continue it, or drop --input drafter to train a fresh "
+            f"{wanted.kind} drafter"
+        )
+    recorded = recorded_settings(ds.path)
+    for name, value in wanted.settings().items():
+        if recorded.get(name) != value:
+            raise OpdError(
+                f"drafter.{name}={value} but the continued drafter {ds.ref} has "
+                f"{recorded.get(name)} (a continued drafter keeps the settings it was built "
+                "with): drop the setting or train a fresh drafter (leave out --input drafter)"
+            )
+
+
+def check_drafter_settings(drafter: DrafterConfig, target: Target) -> None:
+    """Refuse, before any work, settings a fresh drafter of the configured kind cannot take
+    for `target` (e.g. a DFlash block longer than the target's positions)."""
+    try:
+        drafter_class(drafter.kind).check_settings(drafter.settings(), target)
+    except ValueError as e:
+        raise OpdError(
+            f"drafter settings do not fit the target: {e}; change that drafter.* setting or "
+            "leave it unset (the kind's default)"
+        ) from None
 
 
 def load_drafter_dataset(

@@ -23,9 +23,12 @@ from pathlib import Path
 
 from models.drafters import drafter_class
 from models.export import ExportError, round_trip_diff, write_export
-from pipeline.core.drafters import drafter_kind, load_drafter_dataset
-from pipeline.core.targets import EMBEDDED_TARGET, TargetLoader
+from pipeline.core.drafters import check_drafting_depth, drafter_kind, load_drafter_dataset
+from pipeline.core.targets import EMBEDDED_TARGET, TargetLoader, in_process
 from storage import Dataset, OpdError
+from storage.fingerprint import VERSION_LEN
+from storage.jsonfile import UnreadableJson, read_json_object
+from storage.store import MANIFEST
 
 log = logging.getLogger("opd")
 
@@ -40,9 +43,9 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _target_dir(loader: TargetLoader) -> Path | None:
-    """The target's model directory (None for the in-process random target)."""
+    """The target's model directory (None for the in-process random and shape targets)."""
     path = loader.cfg.path
-    if path == "random":
+    if in_process(loader.cfg):
         return None
     return EMBEDDED_TARGET if path == "embedded" else Path(path).expanduser().resolve()
 
@@ -76,8 +79,8 @@ def default_verifier(loader: TargetLoader) -> tuple[str, str | None]:
 TREE_NOTE = (
     "vLLM serves this EAGLE-3 drafter as a chain of num_speculative_tokens drafts; its only tree "
     "setting is a static speculative_token_tree (fixed shape, top-k per level, TREE_ATTN "
-    "attention backend on GPU), not the dynamic EAGLE-2 trees of drafting.tree (README: draft "
-    "trees)"
+    "attention backend on GPU), not the dynamic EAGLE-2 trees of drafting.tree (docs/drafters.md: "
+    "draft trees)"
 )
 
 
@@ -107,6 +110,43 @@ def check_out_dir(out: Path, protected: Sequence[Path], exports: Path | None = N
                 f"--out {out} lies inside {keep}; exporting there could replace what it holds "
                 "(refused even with --overwrite): choose a directory outside it"
             )
+    if not in_area and (part := _data_root_part(resolved)) is not None:
+        raise OpdError(
+            f"--out {out} {part}; exporting there could replace datasets (refused even with "
+            "--overwrite): choose a directory outside every data root"
+        )
+
+
+_VERSION = re.compile(rf"[0-9a-f]{{{VERSION_LEN}}}")
+
+
+def _is_version(d: Path) -> bool:
+    """A dataset version of some data root: `<root>/<name>/<version>/manifest.json`."""
+    return bool(_VERSION.fullmatch(d.name)) and (d / MANIFEST).is_file()
+
+
+def _is_dataset(d: Path) -> bool:
+    """A dataset of some data root: `<root>/<name>/LATEST` naming a version."""
+    latest = d / "LATEST"
+    try:
+        return latest.is_file() and bool(_VERSION.fullmatch(latest.read_text().strip()))
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _data_root_part(resolved: Path) -> str | None:
+    """How `resolved` is, holds or lies inside a dataset of any data root (None: it does
+    not): an overwrite there takes a version's files away, and gc then removes the rest."""
+    for d in (resolved, *resolved.parents):
+        if _is_version(d) or _is_dataset(d):
+            return f"is or lies inside the dataset {d}"
+        if any(_is_dataset(c.parent) for c in d.glob("*/LATEST")):
+            return f"is or lies inside the data root {d}"
+    if resolved.is_dir():
+        below = [p.parent for p in (*resolved.glob("*/*"), *resolved.glob("*/*/*"))]
+        if held := next((d for d in below if _is_version(d) or _is_dataset(d)), None):
+            return f"holds the dataset {held}"
+    return None
 
 
 # What `staged_out_dir` leaves beside `--out` when killed: `.NAME.export-PID` (an unverified
@@ -144,7 +184,11 @@ def tidy_export_leftovers(
                 path.rename(out)
             continue
         actions.append(f"removed {path}")
-        if not dry_run:
+        if dry_run:
+            continue
+        if path.is_symlink():  # never followed: what it leads to is not the export's
+            path.unlink()
+        else:
             shutil.rmtree(path)
     return actions
 
@@ -217,18 +261,40 @@ def share_as_umask_allows(export_dir: Path) -> None:
     safetensors writer creates weights 0600, which a serving user other than the exporter
     cannot read."""
     mode = 0o666 & ~_current_umask()
-    for path in export_dir.iterdir():
-        if path.is_file():
-            path.chmod(mode)
+    for path in _export_files(export_dir).values():
+        path.chmod(mode)
+
+
+def _export_files(export_dir: Path) -> dict[str, Path]:
+    """Every file of an export, subdirectories' too, by its path relative to `export_dir`
+    (a link is listed as what it is, never followed out of the export)."""
+    files = (p for p in export_dir.rglob("*") if p.is_file() or p.is_symlink())
+    return {p.relative_to(export_dir).as_posix(): p for p in sorted(files)}
 
 
 def write_checksums(export_dir: Path, **about: str) -> None:
     """Record every file's size and sha256 in `CHECKSUMS_FILE`, written last: an export is
     complete, and verifiable, only once it is there."""
-    files = sorted(p for p in export_dir.iterdir() if p.is_file())
-    listed = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    listed = {
+        name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for name, p in _export_files(export_dir).items()
+    }
     record = {"format_version": 1, **about, "files": listed}
     (export_dir / CHECKSUMS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def _listed_files(record_path: Path) -> dict[str, tuple[int, str]]:
+    """name -> (bytes, sha256) as `CHECKSUMS_FILE` lists them; ValueError when it cannot."""
+    try:
+        files = read_json_object(record_path)["files"]
+        listed = {str(n): (int(f["bytes"]), str(f["sha256"])) for n, f in files.items()}
+    except UnreadableJson as e:
+        raise ValueError(e.reason) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(str(e)) from None
+    if bad := [n for n in listed if Path(n).is_absolute() or ".." in Path(n).parts]:
+        raise ValueError(f"it lists {bad[0]!r}, a path outside the export")
+    return listed
 
 
 def export_problem(export_dir: Path) -> str | None:
@@ -237,15 +303,16 @@ def export_problem(export_dir: Path) -> str | None:
     if not record_path.is_file():
         return f"it has no {CHECKSUMS_FILE} (not an export, an unfinished one, or an older one)"
     try:
-        files = json.loads(record_path.read_text())["files"]
-        expected = {str(n): (int(f["bytes"]), str(f["sha256"])) for n, f in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        expected = _listed_files(record_path)
+    except ValueError as e:
         return f"its {CHECKSUMS_FILE} is unreadable ({e})"
-    present = {p.name for p in export_dir.iterdir() if p.is_file()} - {CHECKSUMS_FILE}
+    present = set(_export_files(export_dir)) - {CHECKSUMS_FILE}
     if extra := sorted(present - set(expected)):
         return f"{extra[0]} is not one of the files it was exported with"
     for name, (size, sha) in expected.items():
         path = export_dir / name
+        if path.is_symlink():
+            return f"{name} is a link, not the file it was exported as"
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != size or _sha256(path) != sha:
@@ -261,7 +328,7 @@ def verify_export(export_dir: Path) -> int:
     problem = export_problem(export_dir)
     if problem is not None:
         raise OpdError(f"export {export_dir} fails verification: {problem}; export it again")
-    return len(json.loads((export_dir / CHECKSUMS_FILE).read_text())["files"])
+    return len(_listed_files(export_dir / CHECKSUMS_FILE))
 
 
 def export_drafter(
@@ -279,6 +346,7 @@ def export_drafter(
     export reloads to identical logits (see `staged_out_dir` for what `out` may be)."""
     if k < 1:
         raise OpdError(f"--k must be >= 1 (tokens drafted per step), got {k}")
+    check_drafting_depth(drafter_ds, k)  # vLLM would draft the offsets it never learned
     formats = drafter_class(drafter_kind(drafter_ds)).export_formats
     fmt = fmt or formats[0]
     if fmt not in formats:

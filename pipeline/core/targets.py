@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from models.shapes import SHAPES, ModelShape, build_model, scaled, synthetic_tokenizer
 from models.target import (
     Target,
     check_aux_layer_ids,
@@ -36,9 +37,29 @@ class RandomTargetConfig(StrictConfig):
     seed: int = 0
 
 
+SHAPE_PREFIX = "shape:"
+
+
+class ShapeTargetConfig(StrictConfig):
+    """Overrides for `target.path=shape:NAME`: a real model's shape (`models.shapes.SHAPES`)
+    with random weights and a synthetic tokenizer of its vocabulary size. τ means nothing with
+    random weights; time, memory and bytes per token are the real model's. Reduced depth and
+    width make it fit a CPU; the vocabulary is always the real one."""
+
+    num_layers: int | None = Field(None, ge=4)
+    """None: the shape's own depth. At least 4, so EAGLE-3's three aux ids fit."""
+    hidden_size: int | None = Field(None, ge=1)
+    """None: the shape's own width. Narrower keeps head_dim and the query heads per KV head and
+    scales the heads and MLP with it (`models.shapes.scaled`), so it must be a multiple of
+    head_dim x query heads per KV head (512 for both 8B shapes)."""
+    seed: int = 0
+
+
 class TargetConfig(StrictConfig):
     path: str = "embedded"
-    """`embedded` (the committed code model), `random` (see `random`), or a local HF directory."""
+    """`embedded` (the committed code model), `random` (see `random`), `shape:NAME` (a real
+    model's shape with random weights, NAME one of `models.shapes.SHAPES`: llama-3.1-8b,
+    qwen3-8b; see `shape`), or a local HF directory."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """`auto` (CUDA when torch sees a GPU, else CPU), `cpu`, `cuda`, `cuda:N`. Where the target and
     the drafter run; never part of a version (the same weights give the same data anywhere, up
@@ -53,6 +74,7 @@ class TargetConfig(StrictConfig):
     aux_layer_ids: list[int] | None = None
     """HF hidden_states[k] ids (the state entering layer k); None = EAGLE-3's (2, N//2, N-3)."""
     random: RandomTargetConfig = RandomTargetConfig()
+    shape: ShapeTargetConfig = ShapeTargetConfig()
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -69,7 +91,31 @@ class TargetConfig(StrictConfig):
         if self.path == "random":
             ids = self.aux_layer_ids or default_aux_layer_ids(self.random.num_layers)
             check_aux_layer_ids(ids, self.random.num_layers)
+        elif self.path.startswith(SHAPE_PREFIX):
+            depth = target_shape(self).num_layers
+            check_aux_layer_ids(self.aux_layer_ids or default_aux_layer_ids(depth), depth)
+        elif self.shape != ShapeTargetConfig():
+            raise ValueError(
+                f"target.shape sets a shape target's depth, width and seed, but target.path is "
+                f"{self.path!r}: use target.path=shape:NAME ({', '.join(SHAPES)})"
+            )
         return self
+
+
+def target_shape(cfg: TargetConfig) -> ModelShape:
+    """The shape `cfg.path` = `shape:NAME` names, with `cfg.shape`'s overrides applied."""
+    name = cfg.path.removeprefix(SHAPE_PREFIX)
+    if name not in SHAPES:
+        raise ValueError(
+            f"target.path={cfg.path!r} names no known shape; known: "
+            + ", ".join(SHAPE_PREFIX + n for n in SHAPES)
+        )
+    return scaled(SHAPES[name], num_layers=cfg.shape.num_layers, hidden_size=cfg.shape.hidden_size)
+
+
+def in_process(cfg: TargetConfig) -> bool:
+    """Whether the target is built in this process (random or a shape), not read from a directory."""
+    return cfg.path == "random" or cfg.path.startswith(SHAPE_PREFIX)
 
 
 def resolve_device(cfg: TargetConfig) -> torch.device:
@@ -134,8 +180,9 @@ class TargetLoader:
 
     @property
     def directory(self) -> Path | None:
-        """The target's model directory, for engines that load it themselves (None: `random`)."""
-        if self.cfg.path == "random":
+        """The target's model directory, for engines that load it themselves (None: `random` and
+        `shape:NAME`, built in this process)."""
+        if in_process(self.cfg):
             return None
         return EMBEDDED_TARGET if self.cfg.path == "embedded" else Path(self.cfg.path).resolve()
 
@@ -143,6 +190,11 @@ class TargetLoader:
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
+        if self.cfg.path.startswith(SHAPE_PREFIX):
+            # the embedded BPE tokenizer (prompts tokenize as with it), padded to the shape's ids
+            template = (EMBEDDED_TARGET / "chat_template.jinja").read_text()
+            vocab = target_shape(self.cfg).vocab_size
+            return synthetic_tokenizer(EMBEDDED_TARGET / "tokenizer.json", vocab, template)
         directory = (
             EMBEDDED_TARGET if self.cfg.path in ("embedded", "random") else Path(self.cfg.path)
         )
@@ -168,13 +220,18 @@ class TargetLoader:
             torch.backends.cuda.enable_cudnn_sdp(False)
         ids = self.cfg.aux_layer_ids
         if self.cfg.device_map is not None:
-            if self.cfg.path == "random":
-                raise OpdError("target.device_map needs a model directory, not target.path=random")
+            if in_process(self.cfg):
+                raise OpdError(
+                    f"target.device_map needs a model directory, not target.path={self.cfg.path}"
+                )
             if importlib.util.find_spec("accelerate") is None:
                 raise OpdError("target.device_map=auto needs accelerate: pip install accelerate")
         try:
             if self.cfg.path == "random":
                 model = _build_random(self.cfg.random, len(self.tokenizer), self.tokenizer)
+                return Target.from_model(model.to(device=device, dtype=dtype), aux_layer_ids=ids)
+            if self.cfg.path.startswith(SHAPE_PREFIX):
+                model = build_model(target_shape(self.cfg), self.tokenizer, self.cfg.shape.seed)
                 return Target.from_model(model.to(device=device, dtype=dtype), aux_layer_ids=ids)
             path = EMBEDDED_TARGET if self.cfg.path == "embedded" else Path(self.cfg.path)
             return load_target(
@@ -213,11 +270,13 @@ def target_spec(cfg: TargetConfig) -> dict[str, Any]:
     spec = cfg.model_dump(mode="json", exclude={"device", "device_map"})
     # Where the data was made is no part of what made it; the dtype it was made in is.
     spec["dtype"] = resolve_dtype(cfg)
-    if cfg.path not in _BUILT_IN:
+    if cfg.path not in _BUILT_IN and not in_process(cfg):
         resolved = Path(cfg.path).expanduser().resolve()
         spec["path"] = "embedded" if resolved == EMBEDDED_TARGET else str(resolved)
     if spec["path"] != "random":
         spec.pop("random")
+    if not cfg.path.startswith(SHAPE_PREFIX):
+        spec.pop("shape")
     return spec
 
 
@@ -236,8 +295,8 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, A
     diff = {
         k: (fa.get(k), fb.get(k)) for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)
     }
-    if "path" in diff:  # the random model's settings only matter when both are random
-        diff = {k: v for k, v in diff.items() if not k.startswith("random.")}
+    if "path" in diff:  # the random and shape settings only matter when both paths use them
+        diff = {k: v for k, v in diff.items() if not k.startswith(("random.", "shape."))}
     return diff
 
 

@@ -39,6 +39,7 @@ from safetensors.torch import save as safetensors_save
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from pipeline.core import featurize
 from storage import Dataset, OpdError, disk_error, read_tensor_column
 
 # -- distributed ---------------------------------------------------------------------------
@@ -200,6 +201,11 @@ class FeatureIndex:
     the same length in every row; `key_column` names rows for `holdout_split`. Several datasets
     are indexed one after the other (e.g. continued SFT on the original features plus fresh
     trajectories); equal keys across them land on the same side of a hold-out split.
+
+    An online features dataset (`features.mode=online`) holds the token columns only: its rows'
+    hidden states are computed by `target` in `featurize`, which the loader calls on the
+    training thread for each batch it hands out (one target forward per batch). Indexing needs
+    no target (lengths and keys are the token columns'); featurizing does.
     """
 
     def __init__(
@@ -207,34 +213,46 @@ class FeatureIndex:
         datasets: Dataset | Sequence[Dataset],
         columns: Sequence[str],
         key_column: str = "seq_id",
+        *,
+        target: Any = None,
     ):
         datasets = [datasets] if isinstance(datasets, Dataset) else list(datasets)
         self.columns = tuple(columns)
+        self.target = target
         self._chunks: list[dict[str, _Column]] = []
         keys: list[str] = []
-        chunk_of, local, lengths = [], [], []
+        chunk_of, local, lengths, online = [], [], [], []
+        self.target_forwards, self.target_seconds = 0, 0.0  # of `featurize`, this process
         for dataset in datasets:
             shards = dataset.shards("ipc")
             if not shards:
                 raise OpdError(f"{dataset.ref} has no Arrow IPC shards to train on")
+            computed = featurize.HIDDEN_COLUMNS if featurize.is_online(dataset) else ()
             for shard in shards:
                 for batch in dataset.ipc_batches(shard):
                     missing = [
-                        c for c in (*self.columns, key_column) if c not in batch.schema.names
+                        c
+                        for c in (*self.columns, key_column)
+                        if c not in batch.schema.names and c not in computed
                     ]
                     if missing:
                         raise OpdError(
                             f"{dataset.ref} shard {shard!r} lacks columns {missing}; "
                             f"it has {batch.schema.names}"
                         )
-                    cols = {name: _ragged(batch, name) for name in self.columns}
-                    n = np.diff(cols[self.columns[0]].offsets)
+                    cols = {
+                        name: _ragged(batch, name)
+                        for name in self.columns
+                        if name in batch.schema.names
+                    }
+                    n = np.diff(next(iter(cols.values())).offsets)
                     for name, col in cols.items():
                         if not np.array_equal(np.diff(col.offsets), n):
                             raise OpdError(
                                 f"{dataset.ref} shard {shard!r}: column {name!r} has other row "
                                 f"lengths than {self.columns[0]!r}; the shard is malformed"
                             )
+                    online.append(np.full(len(n), len(cols) < len(self.columns)))
                     chunk_of.append(np.full(len(n), len(self._chunks), np.int64))
                     local.append(np.arange(len(n), dtype=np.int64))
                     lengths.append(n)
@@ -244,6 +262,7 @@ class FeatureIndex:
         self._local = np.concatenate(local)
         self.lengths = np.concatenate(lengths)
         self.keys = [str(k) for k in keys]
+        self.online = np.concatenate(online)  # [N] bool: hidden states computed by `featurize`
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -255,17 +274,48 @@ class FeatureIndex:
         width = int(lengths.max())
         out: dict[str, Tensor] = {}
         for name in self.columns:
-            proto = self._chunks[0][name].values
+            proto = next((c[name].values for c in self._chunks if name in c), None)
+            if proto is None:  # only online rows hold it: `featurize` makes the whole column
+                continue
             # Token ids become int64 here, off the training thread, since embeddings need it.
             dtype = torch.int64 if proto.dtype == torch.int32 else proto.dtype
             out[name] = torch.zeros(len(rows), width, *proto.shape[1:], dtype=dtype)
         for i, row in enumerate(rows):
             chunk = self._chunks[self._chunk_of[row]]
             j = self._local[row]
-            for name in self.columns:
-                col = chunk[name]
+            for name, col in chunk.items():
                 out[name][i, : lengths[i]] = col.values[col.offsets[j] : col.offsets[j + 1]]
         return PaddedBatch(out, torch.from_numpy(lengths.copy()), torch.from_numpy(rows))
+
+    def featurize(self, batch: PaddedBatch) -> PaddedBatch:
+        """`batch` with the hidden states of its online rows filled in (in place): one target
+        forward over those rows, padded to their longest. A no-op without online rows."""
+        mine = np.flatnonzero(self.online[batch.rows.numpy()])
+        if len(mine) == 0:
+            return batch
+        if self.target is None:
+            raise OpdError(
+                "an online features dataset needs the target to compute its hidden states; "
+                "build the FeatureIndex with target="
+            )
+        t0 = time.perf_counter()
+        ids = batch["input_ids"]
+        seqs = [ids[i, : int(batch.lengths[i])].tolist() for i in mine]
+        width = ids.shape[1]
+        states = featurize.featurize_rows(self.target, seqs, width)
+        for name, values in states.items():
+            if name not in self.columns:
+                continue
+            if name not in batch.columns and len(mine) == len(batch.rows):
+                batch.columns[name] = values
+                continue
+            column = batch.columns.setdefault(
+                name, torch.zeros(len(batch.rows), width, values.shape[-1], dtype=values.dtype)
+            )
+            column[torch.from_numpy(mine)] = values
+        self.target_forwards += 1
+        self.target_seconds += time.perf_counter() - t0
+        return batch
 
 
 def holdout_split(keys: Sequence[str], share: float, seed: int) -> tuple[list[int], list[int]]:
@@ -497,7 +547,11 @@ class FeatureLoader:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                # Online features: the target's forward runs here, on the consuming (training)
+                # thread, never in the producer: forward_features hooks the target's layers,
+                # and two loaders' producers (training and validation) would share the hooks.
+                featurize_batch = getattr(self.index, "featurize", None)
+                yield featurize_batch(item) if featurize_batch is not None else item
         finally:
             stop.set()
             worker.join()

@@ -16,6 +16,9 @@ serving is the fastest measured K among the settings without a threshold.
 from __future__ import annotations
 
 import json
+import logging
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,10 @@ from models.draft_length import TuneOptions, tune
 from pipeline.core.drafters import load_drafter_dataset, trained_depth
 from pipeline.core.targets import TargetLoader
 from storage import Dataset, OpdError
-from storage.store import atomic_write_text
+from storage.jsonfile import UnreadableJson, read_json_object
+from storage.store import atomic_write_text, stale_temporary, take_lock
+
+log = logging.getLogger("opd")
 
 TUNE_DIR = "_tune"
 
@@ -74,19 +80,39 @@ def run_tune(
         "prompts": len(prompts),
         "drafter_depth": depth,
     }
-    path = tune_file(drafter_ds)
-    recorded = json.loads(path.read_text()) if path.exists() else {}
-    recorded[_key(temperature)] = result
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(recorded, indent=2, sort_keys=True))
+    record_result(tune_file(drafter_ds), _key(temperature), result)
     return result
+
+
+def record_result(path: Path, key: str, result: dict[str, Any]) -> None:
+    """Merge one temperature's result into the tune file `path`. Under the file's lock, so
+    two `opd tune` of one drafter keep both results; temporaries a killed tune left beside it
+    are removed here. An unreadable file is replaced, with a warning: nothing in it can be
+    served."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = take_lock(path.with_name(f".{path.name}.lock"))
+    try:
+        for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+            if stale_temporary(tmp):
+                tmp.unlink(missing_ok=True)
+        try:
+            recorded = read_json_object(path) if path.exists() else {}
+        except UnreadableJson as e:
+            log.warning("%s; replacing it with this result", e)
+            recorded = {}
+        recorded[key] = result
+        atomic_write_text(path, json.dumps(recorded, indent=2, sort_keys=True))
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def serving_k(drafter_ds: Dataset, temperature: float, fallback: int) -> tuple[int, str]:
     """The K to serve `drafter_ds` with and where it came from: `opd tune`'s measurement at
-    `temperature` if one is recorded, else `fallback` (the K the drafter was trained for)."""
+    `temperature` if one is recorded, else `fallback` (the K the drafter was trained for).
+    A record that does not hold a K this drafter can serve (edited, corrupted, another
+    drafter's) is an error saying to tune again, never a K served silently."""
     path = tune_file(drafter_ds)
-    entry = json.loads(path.read_text()).get(_key(temperature)) if path.exists() else None
+    entry = _recorded_entry(drafter_ds, path, temperature)
     if entry is None:
         return fallback, (
             f"the drafter's trained K (drafting.k); no `opd tune` result at T={temperature} "
@@ -105,6 +131,48 @@ def trained_k(drafter_ds: Dataset) -> int | None:
     stage = drafter_ds.config.get("stage", {})
     k = stage.get("tau_k", stage.get("val_ttt_steps"))
     return k if isinstance(k, int) else None
+
+
+def _recorded_entry(drafter_ds: Dataset, path: Path, temperature: float) -> dict | None:
+    """The checked tune result at `temperature` in `path` (None: not tuned there)."""
+    fix = (
+        f"re-run `opd tune --drafter {drafter_ds.ref} --temperature {temperature}` or delete "
+        "the file"
+    )
+    try:
+        entry = read_json_object(path).get(_key(temperature)) if path.exists() else None
+    except UnreadableJson as e:
+        raise OpdError(f"{e}; {fix}") from None
+    problem = None if entry is None else _serve_problem(entry, trained_depth(drafter_ds))
+    if problem is not None:
+        raise OpdError(
+            f"{path} holds an invalid `opd tune` result at T={temperature} ({problem}); {fix}"
+        )
+    return entry
+
+
+def _serve_problem(entry: Any, depth: int | None) -> str | None:
+    """What is wrong with one recorded result's `serve` part (None: it can be served)."""
+    serve = entry.get("serve") if isinstance(entry, dict) else None
+    if not isinstance(serve, dict):
+        return "no `serve` object"
+    k, speedup, prompts = serve.get("k"), serve.get("speedup_vs_plain"), serve.get("prompts")
+    if not _is_int(k) or k < 1 or (depth is not None and k > depth):
+        deepest = "" if depth is None else f" and <= {depth}, the depth the drafter was trained to"
+        return f"serve.k is {k!r}, not an integer >= 1{deepest}"
+    if not _is_number(speedup) or speedup <= 0:
+        return f"serve.speedup_vs_plain is {speedup!r}, not a positive number"
+    if not _is_int(prompts) or prompts < 1:
+        return f"serve.prompts is {prompts!r}, not an integer >= 1"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON `true` reads as 1
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def _key(temperature: float) -> str:

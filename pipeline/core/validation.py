@@ -50,7 +50,7 @@ def validate(
     with contextlib.closing(loader.iterate(0)) as batches:
         for batch in batches:
             b = to_device(batch, device)
-            target_logits = target.logits_from_hidden(b["last_hidden"])  # [B, T, V]
+            target_logits = target.teacher(b["last_hidden"], vocab, [temperature])  # [B, T, V]
             teacher = teacher_draft_probs(target_logits, vocab, temperature)
             with autocast(device, bf16):
                 out = drafter.unroll(b["aux_hidden"], b["input_ids"], b["loss_mask"], ttt_steps)
@@ -68,10 +68,17 @@ def validate(
 
 
 def heldout_loader(
-    ds: Dataset, cfg: TrainConfig, rank: int, world_size: int, *, pin_memory: bool = False
+    ds: Dataset,
+    cfg: TrainConfig,
+    rank: int,
+    world_size: int,
+    *,
+    pin_memory: bool = False,
+    target: Any = None,
 ) -> training.FeatureLoader:
-    """Every sequence of a `heldout` input, in order, batched like the stage's validation."""
-    index = training.FeatureIndex([ds], FEATURE_COLUMNS)
+    """Every sequence of a `heldout` input, in order, batched like the stage's validation
+    (`target` computes the hidden states of an online features dataset)."""
+    index = training.FeatureIndex([ds], FEATURE_COLUMNS, target=target)
     return training.FeatureLoader(
         index,
         range(len(index)),

@@ -27,6 +27,7 @@ from pipeline.experiments.common import (
     TEMPERATURES,
     Runner,
     arm_budget,
+    check_arm_options,
     opd_arm,
     save_result,
     seed_stats,
@@ -91,7 +92,7 @@ FACTORS: dict[str, Callable[[PipelineConfig], list[tuple[str, PipelineConfig]]]]
 
 DEFAULT_FACTORS = ("loss",)
 """What `opd experiment ablate` varies by default: the loss family, the question the other
-factors are secondary to; 4 families x 2 seeds, an estimated 40 min on the default profile (README)."""
+factors are secondary to; 4 families x 2 seeds, an estimated 40 min on the default profile (docs/reference.md: Experiments)."""
 
 
 def ablation_variants(cfg: PipelineConfig, factors: Sequence[str]) -> list[Variant]:
@@ -124,8 +125,7 @@ def ablate(
     """OPD variants, one factor at a time, from opd-vs-sft's warm-up at one drafter budget
     (`budget`, else `budget_ratio` x the warm-up's; split over each variant's rounds), each
     evaluated at T=0 and T=1 for every seed. Returns the result as JSON-able data."""
-    if seeds < 1:
-        raise OpdError(f"--seeds must be >= 1, got {seeds}")
+    check_arm_options(seeds=seeds, budget=budget, budget_ratio=budget_ratio)
     variants = ablation_variants(cfg, factors)
     run = Runner(ctx)
     warm = warm_up(run, cfg, prompts)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -225,9 +226,48 @@ def evaluate_drafter(
     return out
 
 
+MAX_BUDGET_RATIO = 1000.0
+"""An arm spending a thousand warm-ups is beyond any study here (days on the default profile),
+so a larger ratio is a typo; bounding it also keeps ratio x budget a finite float."""
+MAX_SEED = 2**32 - 1
+"""Every stage's seeds derive from an arm's seed (the rollout's per-batch seeds multiply it by
+1,000,003, and torch takes seeds below 2**64); 2**32 - 1 is the range seeds usually take."""
+
+
+def check_arm_options(
+    *,
+    seeds: int,
+    budget: int | None,
+    budget_ratio: float,
+    first_seed: int | None = None,
+    sft_data_temperature: float | None = None,
+) -> None:
+    """Refuse, before the warm-up runs, options the arms could only fail on after it (or, for
+    the temperature, after writing part of a rollout)."""
+    if seeds < 1:
+        raise OpdError(f"--seeds must be >= 1, got {seeds}")
+    if budget is not None and budget < 1:
+        raise OpdError(f"--budget must be >= 1 drafter row-step, got {budget}")
+    if not (math.isfinite(budget_ratio) and 0 < budget_ratio <= MAX_BUDGET_RATIO):
+        raise OpdError(
+            f"--budget-ratio must be a finite number in (0, {MAX_BUDGET_RATIO:g}], got "
+            f"{budget_ratio:g}: the share of the warm-up's row-steps each arm spends"
+        )
+    if first_seed is not None and not 0 <= first_seed <= MAX_SEED - seeds + 1:
+        raise OpdError(
+            f"--first-seed and --seeds must keep every seed below {MAX_SEED + 1} and >= 0, got "
+            f"seeds {first_seed} .. {first_seed + seeds - 1}"
+        )
+    t = sft_data_temperature
+    if t is not None and not (math.isfinite(t) and t >= 0):
+        raise OpdError(
+            f"--sft-data-temperature must be a finite number >= 0 (0: greedy), got {t:g}"
+        )
+
+
 def arm_budget(warm: Warmup, budget: int | None, budget_ratio: float) -> int:
-    if not budget_ratio > 0 or (budget is not None and budget < 1):
-        raise OpdError("the budget must be positive: set --budget N or --budget-ratio R > 0")
+    """Row-steps per arm: `budget`, else `budget_ratio` x the warm-up's (`check_arm_options`
+    has bounded both)."""
     return budget or max(1, round(budget_ratio * warm.budget))
 
 

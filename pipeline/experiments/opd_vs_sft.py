@@ -55,6 +55,7 @@ from pipeline.experiments.common import (
     Runner,
     Warmup,
     arm_budget,
+    check_arm_options,
     heldout_config,
     measure_speed,
     opd_arm,
@@ -75,7 +76,7 @@ from pipeline.experiments.report import (
 )
 from pipeline.profiles import PipelineConfig
 from pipeline.stages import rollout
-from storage import Dataset, OpdError
+from storage import Dataset
 
 log = logging.getLogger("opd")
 
@@ -101,8 +102,13 @@ def opd_vs_sft(
     all seeds reuses their datasets. `command`: the command line to quote in the report.
     `speed`: also time the first seed's drafters against plain decoding (`measure_speed`).
     """
-    if seeds < 1:
-        raise OpdError(f"--seeds must be >= 1, got {seeds}")
+    check_arm_options(
+        seeds=seeds,
+        budget=budget,
+        budget_ratio=budget_ratio,
+        first_seed=first_seed,
+        sft_data_temperature=sft_data_temperature,
+    )
     run = Runner(ctx)
     warm = warm_up(run, cfg, prompts)
     budget = arm_budget(warm, budget, budget_ratio)

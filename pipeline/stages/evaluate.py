@@ -301,7 +301,7 @@ def vllm_stats(
             else "not expected at T=0 (same drafter, prompts and K): check vllm_lossless"
         )
         stats["tau_vllm_note"] = (
-            f"tau_vllm differs from tau by {gap:+.1%}: {why} (README: tau inside vLLM)"
+            f"tau_vllm differs from tau by {gap:+.1%}: {why} (docs/vllm.md: τ inside vLLM)"
         )
     return stats
 
@@ -368,7 +368,7 @@ def run(
     if cfg.tree is not None and cfg.backend == "vllm":
         raise OpdError(
             "evaluate.backend=vllm with drafting.tree: vLLM serves EAGLE-3 on a static "
-            "speculative_token_tree, not EAGLE-2's dynamic trees (README: draft trees); "
+            "speculative_token_tree, not EAGLE-2's dynamic trees (docs/drafters.md: draft trees); "
             "evaluate trees with backend=hf"
         )
     check_drafting_depth(inputs["drafter"], cfg.k if cfg.tree is None else cfg.tree.depth)

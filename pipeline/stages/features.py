@@ -9,23 +9,33 @@ through the frozen head), both bf16. Also `draft_vocab.safetensors`: the draft v
 trajectories dataset and never rebuilt downstream. The manifest's meta records the target's
 identity, layer ids and dtype; consumers refuse features made by another target.
 
+`mode=online` (unset = cached, the default: the versioned cache is the design) writes the same
+shards without the two hidden-state columns, and the same vocab file: 5 bytes a token instead
+of 5 + 8H (32 KiB at H = 4096). Its meta says `mode: online`, and the training stages (sft, and
+opd's features anchor) then run the target over each batch inside their loop
+(`training.FeatureIndex.featurize`), trading disk for one target forward per training batch
+(and per validation batch). The map stays frozen here, and lineage, checks and chains read an
+online features dataset as any other.
+
 Shard i (rows_per_shard trajectories, in trajectories order) is written by rank i % world_size.
 Resumes: completed shards are skipped; the vocab file is deterministic and rewritten if absent.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
 from models.vocab import DraftVocab
 from pipeline.core.checks import VOCAB_FILE, check_same_target
-from pipeline.core.config import StrictConfig
-from pipeline.core.featurize import feature_schema, forward_batch
+from pipeline.core.config import StrictConfig, optional_field
+from pipeline.core.featurize import ONLINE, feature_schema, forward_batch, token_schema
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import Stage
 from storage import Dataset, DatasetWriter, OpdError, tensor_array
@@ -39,6 +49,18 @@ class Config(StrictConfig):
     rows_per_shard: int = Field(256, ge=1)
     max_seq_len: int = Field(1024, ge=2)
     """Longer trajectories are truncated (features cost T x 4H x 2 bytes per sequence)."""
+    mode: Literal["cached", "online"] | None = optional_field(
+        "cached (unset): store the hidden states, the versioned cache; online: store only the "
+        "tokens and the vocab map, and let sft/opd compute the hidden states in their training "
+        "loop (one target forward per batch, for 8H bytes a token less on disk). Unset rather "
+        "than 'cached' by default so existing features versions stay unchanged"
+    )
+
+    @field_validator("mode")
+    @classmethod
+    def _cached_is_unset(cls, value: str | None) -> str | None:
+        # Naming the default explicitly must give the default's version.
+        return None if value == "cached" else value
 
 
 def token_counts(trajectories: Dataset, vocab_size: int) -> torch.Tensor:
@@ -87,7 +109,8 @@ def run(
         )
     coverage = float(counts[vocab.t2d].sum()) / max(1, int(counts.sum()))
 
-    schema = feature_schema(target.hidden_size)
+    online = cfg.mode == ONLINE
+    schema = token_schema() if online else feature_schema(target.hidden_size)
     n_shards = (len(rows) + cfg.rows_per_shard - 1) // cfg.rows_per_shard
     mine = [i for i in range(n_shards) if i % world_size == rank]
     bar = tqdm(total=len(mine), desc="features", unit="shard", disable=not ctx.progress)
@@ -100,6 +123,10 @@ def run(
         for r in chunk:
             r["input_ids"] = r["input_ids"][: cfg.max_seq_len]
             r["loss_mask"] = r["loss_mask"][: cfg.max_seq_len]
+        if online:  # the tokens only: training computes the hidden states
+            output.write_ipc(shard, pa.Table.from_pylist(chunk, schema=schema))
+            bar.update()
+            continue
         order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]["input_ids"]))
         aux_rows: list[torch.Tensor | None] = [None] * len(chunk)
         last_rows: list[torch.Tensor | None] = [None] * len(chunk)
@@ -131,7 +158,7 @@ def run(
         "draft_vocab_coverage": round(coverage, 4),
         "sequences": len(rows),
         "tokens": int(sum(len(r["input_ids"]) for r in rows)),
-    }
+    } | ({"mode": ONLINE, "trajectories": str(traj.ref)} if online else {})
 
 
 STAGE = Stage(

@@ -31,7 +31,9 @@ from its recorded accept probability with a seeded generator, so a resumed run d
 
 `ce_lambda` > 0 adds lambda x the EAGLE-3 TTT soft-CE: on batches of the `features` input when
 given, else on the rollout sequences' own teacher-forced rows inside the same unroll (no extra
-drafter forward: every non-anchor row already is an SFT row).
+drafter forward: every non-anchor row already is an SFT row). A `features` input made with
+`features.mode=online` holds no hidden states: the target computes each anchor batch's inside
+the loop (as sft does; the summary's `online_features` counts the forwards).
 
 Budget: every step logs `row_steps`, the drafter rows it ran forward and backward times the
 unrolled steps; `budget_row_steps` sets the number of optimizer steps so their sum reaches it
@@ -63,6 +65,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from models import verify
 from models.drafter import Drafter
 from models.drafters import drafter_class
 from models.losses import (
@@ -85,6 +88,7 @@ from pipeline.core.drafters import (
     write_drafter_dataset,
     written_summary,
 )
+from pipeline.core.featurize import is_online
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
 from pipeline.core.trainer import METRICS_SCHEMA as TRAIN_METRICS_SCHEMA
@@ -359,12 +363,11 @@ def replay_outcomes(
     """(accepted, mask) [N, K] bool. Acceptance is drawn from accept_prob (exact at 0 and 1);
     mask keeps the first `length` [N] positions (those a decoder would verify), and with
     positions="reached" only those verification reaches (every earlier one accepted)."""
-    accepted = torch.bernoulli(accept_prob.float().cpu(), generator=generator).bool()
-    accepted = accepted.to(accept_prob.device)
+    accepted = verify.draw_outcomes(accept_prob, generator)
     K = accept_prob.shape[1]
     mask = torch.arange(K, device=accept_prob.device) < length[:, None]
     if positions == "reached":
-        mask[:, 1:] &= torch.cumprod(accepted[:, :-1].long(), dim=1).bool()
+        mask &= verify.reach(accepted.long()).bool()
     return accepted, mask
 
 
@@ -436,7 +439,7 @@ def validate_replays(
                     b.aux_hidden, b.input_ids, None, K, replays=(b.item, b.anchor, b.tokens)
                 )
             logits = drafter.replay_logits(out, b.item, b.anchor)  # [N, K, Vd]
-            target_logits = target.logits_from_hidden(b.teacher_hidden)  # [N, K, V]
+            target_logits = target.teacher(b.teacher_hidden, vocab, [cfg.temperature])  # [N, K, V]
             accepted, mask = replay_outcomes(
                 b.accept_prob, b.replay_length, cfg.positions, generator
             )
@@ -548,7 +551,10 @@ def _setup_data(
     world_size: int,
     *,
     pin_memory: bool = False,
+    target: Any = None,
 ) -> _Data:
+    """The run's loaders; `target` computes the hidden states of online features datasets
+    (the anchor's, a held-out one) batch by batch."""
     replays, rollouts = inputs["replays"], inputs["rollouts"]
     ce_on_rollouts = cfg.ce_lambda > 0 and cfg.ce_source == "rollouts"
     index = ReplayIndex(replays, rollouts, full_sequences=ce_on_rollouts)
@@ -578,7 +584,7 @@ def _setup_data(
     held = dict(shuffle=False, equal_ranks=False, **common)
     anchor = None
     if "features" in inputs:
-        feature_index = training.FeatureIndex(inputs["features"], FEATURE_COLUMNS)
+        feature_index = training.FeatureIndex(inputs["features"], FEATURE_COLUMNS, target=target)
         anchor = training.FeatureLoader(
             feature_index,
             range(len(feature_index)),
@@ -597,7 +603,7 @@ def _setup_data(
         ttt_val=training.FeatureLoader(index.features, val_seqs, **held) if val_seqs else None,
         anchor=anchor,
         heldout=validation.heldout_loader(
-            inputs["heldout"], cfg, rank, world_size, pin_memory=pin_memory
+            inputs["heldout"], cfg, rank, world_size, pin_memory=pin_memory, target=target
         )
         if "heldout" in inputs
         else None,
@@ -664,7 +670,7 @@ def replay_step(
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 7919 + rank)
     accepted, mask = replay_outcomes(b.accept_prob, b.replay_length, cfg.positions, generator)
     with torch.no_grad():
-        target_logits = target.logits_from_hidden(b.teacher_hidden)  # [N, K, V]
+        target_logits = target.teacher(b.teacher_hidden, vocab, [cfg.temperature])  # [N, K, V]
     unrolls = [(b.aux_hidden, b.input_ids, b.loss_mask, (b.item, b.anchor, b.tokens), K)]
     if anchor_batch is not None:
         fb = validation.to_device(anchor_batch, device)
@@ -677,7 +683,7 @@ def replay_step(
     if cfg.ce_lambda > 0 and cfg.ce_source == "rollouts":
         with torch.no_grad():
             teacher = teacher_draft_probs(
-                target.logits_from_hidden(b.last_hidden), vocab, cfg.temperature
+                target.teacher(b.last_hidden, vocab), vocab, cfg.temperature
             )
         loss = loss + cfg.ce_lambda * drafter.rollout_ce_loss(
             outs[0], teacher, b.item, b.anchor, cfg.gamma
@@ -685,7 +691,7 @@ def replay_step(
     if anchor_batch is not None:
         with torch.no_grad():
             teacher = teacher_draft_probs(
-                target.logits_from_hidden(fb["last_hidden"]), vocab, cfg.temperature
+                target.teacher(fb["last_hidden"], vocab), vocab, cfg.temperature
             )
         anchor_loss = drafter.sft_loss(
             outs[1], teacher, fb["last_hidden"], decay=cfg.gamma, objective=None
@@ -723,6 +729,23 @@ def _trained_summary(cfg: Config, data: _Data, result: TrainResult) -> dict:
         "train_replays": int(sum(len(data.index.items[i][1]) for i in data.train_items)),
         "ce_anchor": cfg.ce_source if cfg.ce_lambda > 0 else None,
         "validation": vals[-1] if vals else None,
+    }
+
+
+def _online_summary(inputs: dict[str, Dataset], data: _Data) -> dict:
+    """With online features (the anchor's or a held-out input): the trajectories the target
+    featurized and what it cost this run; empty when every feature was cached."""
+    online = [ds for role, ds in sorted(inputs.items()) if is_online(ds)]
+    if not online:
+        return {}
+    indexes = [loader.index for loader in (data.anchor, data.heldout) if loader is not None]
+    return {
+        "online_features": {
+            "features": [str(ds.ref) for ds in online],
+            "trajectories": [ds.meta.get("trajectories") for ds in online],
+            "target_forwards_this_run": sum(i.target_forwards for i in indexes),
+            "target_seconds_this_run": round(sum(i.target_seconds for i in indexes), 2),
+        }
     }
 
 
@@ -798,7 +821,13 @@ def run(
 
     drafter = load_drafter_dataset(source, target, identity)
     data = _setup_data(
-        cfg, inputs, drafter.vocab, rank, world_size, pin_memory=target.device.type == "cuda"
+        cfg,
+        inputs,
+        drafter.vocab,
+        rank,
+        world_size,
+        pin_memory=target.device.type == "cuda",
+        target=target,
     )
     trainer = _trainer(cfg, drafter, data, output, rank, world_size, ctx, source, replays)
     anchor_stream = _cycle(data.anchor, trainer.step) if data.anchor is not None else None
@@ -837,7 +866,7 @@ def run(
     drafter = trainer.whole_drafter()
     if rank != 0:
         return {}
-    summary = base | _trained_summary(cfg, data, result)
+    summary = base | _trained_summary(cfg, data, result) | _online_summary(inputs, data)
     summary = write_drafter_dataset(
         output, drafter, source, result.metrics, METRICS_SCHEMA, summary
     )

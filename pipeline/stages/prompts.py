@@ -28,6 +28,7 @@ token of chat rows; 0 on prompt text a user wrote).
 from __future__ import annotations
 
 import ast
+import codecs
 import hashlib
 import json
 import random
@@ -275,7 +276,9 @@ def _read_user_rows(path: Path, skipped: Counter) -> list[tuple[str, dict]]:
         raise FileNotFoundError(f"prompt source {path} does not exist")
     if path.suffix == ".jsonl":
         out = []
-        for n, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        # A byte-order mark (Windows editors write one) is not part of the first row.
+        data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+        for n, raw in enumerate(data.splitlines(), start=1):
             if not raw.strip():
                 skipped["empty"] += 1
                 continue
@@ -284,7 +287,7 @@ def _read_user_rows(path: Path, skipped: Counter) -> list[tuple[str, dict]]:
             except UnicodeDecodeError:
                 skipped["not_utf8"] += 1
                 continue
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # the decoder recurses per level
                 skipped["bad_json"] += 1
                 continue
             if not isinstance(record, dict):

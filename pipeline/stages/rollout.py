@@ -43,7 +43,7 @@ before the one it accepted, or all of them where the path ended), the untried no
 not_reached; `target_token` of a rejected node is what the target emitted at its position.
 A position with a rejected node is one where the drafter's most confident token was wrong,
 which is exactly the chain's error position, so `score` reads tree logs unchanged (see
-README: draft trees). `confidence` is max_v q_v at the node's parent. steps-*.parquet gains `depth` (the row's depth budget), and alpha is per depth.
+docs/drafters.md: draft trees). `confidence` is max_v q_v at the node's parent. steps-*.parquet gains `depth` (the row's depth budget), and alpha is per depth.
 
 `run` (the run name the runner was given, `--run-name`) is not part of the version: a dataset
 reused by another run keeps the name of the run that computed it.

@@ -19,7 +19,7 @@ where the drafter's most confident token there was wrong (siblings are tried in 
 order), i.e. where its own chain would have failed, so the anchors are read the same way and
 each replay is tree.depth tokens deep. The replays are chains on purpose: a tree step accepts
 the chain's path whenever the top-1 token is right, and a better top-1 ranking is what lifts
-every depth of the tree (README: draft trees).
+every depth of the tree (docs/drafters.md: draft trees).
 
 Replay of anchor e (sample j): the CURRENT drafter drafts y-hat_1..y-hat_K from the prefix y<e,
 exactly as the decoder would: row e-2 reads the rollout's target feature f_{e-2} and y_{e-1},
@@ -71,6 +71,7 @@ from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 from tqdm import tqdm
 
+from models import verify
 from models.drafter import Drafter
 from models.target import Target
 from pipeline.core.checks import (
@@ -233,13 +234,13 @@ def score_sequence(
     )
     if cfg.temperature == 0:
         greedy = torch.stack([lp[:-1].argmax(-1) for lp in scores.log_probs])  # [R, K]
-        p_token = (greedy == tokens).float()
+        p_token = verify.greedy_accept(tokens, greedy).float()
         accept = p_token
     else:
         log_p = torch.stack(scores.token_log_probs)  # [R, K]
         p_token = log_p.exp()
-        accept = (log_p - chains.logq.to(log_p.device)).clamp(max=0).exp()
-    reach = torch.cumprod(torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], 1), 1)
+        accept = verify.accept_prob_of_logs(log_p, chains.logq.to(log_p.device))
+    reach = verify.reach(accept)
     eos = torch.tensor(target.eos_token_ids, dtype=torch.long, device=tokens.device)
     is_eos = torch.isin(tokens, eos)
     first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, cfg.depth)

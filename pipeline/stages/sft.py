@@ -1,13 +1,18 @@
-"""Stage 3, `sft`: the EAGLE-3 warm-up, trained with training-time test on cached features.
+"""Stage 3, `sft`: the EAGLE-3 warm-up, trained with training-time test on the target's features.
 
 Consumes `features` (and the target it was made with: only its frozen embedding and LM head
-are used, never a forward); optionally a trained `drafter` to continue from and `more_features`
+are used, never a forward, unless the features are online, below); optionally a trained `drafter` to continue from and `more_features`
 (same target and vocab map, e.g. the original features beside fresh rollouts) to train on too.
 An optional `heldout` input (feature sequences the stage never trains on, e.g. a rollout of
 held-out prompts by the starting drafter, so it carries the same vocab map) makes every
 validation also log the teacher-forced acceptance on them as `heldout_*` (over drafting.k
 steps, as `opd` logs it), starting at step 0, so runs of both stages are compared on the same
 sequences.
+A features input made with `features.mode=online` holds tokens and the vocab map only: each
+training and validation batch's hidden states are then computed by the target inside the loop
+(one forward per batch, rounded to bf16 as the features stage stores them), and the summary's
+`online_features` names the trajectories they came from and counts the forwards. A resumed run
+recomputes the same numbers, so resume stays exact.
 Produces `sft`, a drafter dataset (layout in `pipeline.core.drafters`; the draft-vocab map is
 copied unchanged from the features).
 
@@ -30,7 +35,7 @@ on CPU.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -38,13 +43,20 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from models.drafter import Drafter
-from models.drafters import drafter_class
+from models.drafters import drafter_class, recorded_settings
 from models.losses import teacher_draft_probs
 from models.vocab import DraftVocab
 from pipeline.core import training
 from pipeline.core.checks import check_drafter_vocab, check_same_target, check_same_vocab, vocab_of
 from pipeline.core.config import DrafterConfig, optional_field
-from pipeline.core.drafters import load_drafter_dataset, write_drafter_dataset, written_summary
+from pipeline.core.drafters import (
+    check_continued_drafter,
+    check_drafter_settings,
+    load_drafter_dataset,
+    write_drafter_dataset,
+    written_summary,
+)
+from pipeline.core.featurize import is_online
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Stage
 from pipeline.core.trainer import (
@@ -62,7 +74,7 @@ from pipeline.core.validation import (
     validate,
     validate_heldout,
 )
-from storage import Dataset, DatasetWriter
+from storage import Dataset, DatasetWriter, OpdError
 
 VAL_KEYS = ("step", "loss", "acc", "alpha", "tau_sim", "tau_expected", "tau_chain")
 SUMMARY_KEYS = (  # of the trainer's summary
@@ -169,7 +181,8 @@ def train_step(
     `model` is the drafter's training module (DDP-wrapped or FSDP-sharded)."""
     b = to_device(batch, target.device)
     with torch.no_grad():
-        target_logits = target.logits_from_hidden(b["last_hidden"])  # [B, T, V]
+        # [B, T, V] logits reduced in vocabulary blocks (models.teacher): bounded at a 128k vocab
+        target_logits = target.teacher(b["last_hidden"], drafter.vocab, [cfg.temperature])
         teacher = teacher_draft_probs(target_logits, drafter.vocab, cfg.temperature)  # [B, T, Vd]
     with autocast(target.device, cfg.bf16):
         (out,) = model((b["aux_hidden"], b["input_ids"], b["loss_mask"], None, cfg.unroll_depth))
@@ -184,23 +197,49 @@ def train_step(
     return StepOutput(loss, tokens, tokens * cfg.unroll_depth, {"acc": acc.accuracy()})
 
 
+def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> None:
+    """Before the output's directory exists: a drafter to continue is of the configured kind
+    and settings and was built for the trained offsets; a fresh drafter's settings fit the
+    target (a DFlash block longer than its positions would only fail, or exhaust memory,
+    once training allocates it)."""
+    wanted = cfg.drafter or DrafterConfig()
+    if "drafter" not in inputs:
+        check_drafter_settings(wanted, ctx.target_loader.target)
+        return
+    source = inputs["drafter"]
+    check_continued_drafter(source, wanted)
+    depth = drafter_class(wanted.kind).max_draft_depth(recorded_settings(source.path))
+    if depth is not None and cfg.ttt_steps > depth:
+        raise OpdError(
+            f"drafting.ttt_steps ({cfg.ttt_steps}) trained offsets do not fit {source.ref}, a "
+            f"{wanted.kind} drafter drafting {depth} per step: lower drafting.ttt_steps"
+        )
+
+
 def _starting_drafter(
     inputs: dict[str, Dataset], target: Any, vocab: DraftVocab, cfg: Config, ctx: RunContext
 ) -> Drafter:
     """A fresh drafter, or (continued SFT) the given one, which must use the features' map."""
     if "drafter" not in inputs:
         return new_drafter(target, vocab, cfg.seed, cfg.drafter)
-    kind = cfg.drafter.kind if cfg.drafter else None
+    kind = (cfg.drafter or DrafterConfig()).kind
     drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity, kind=kind)
     check_drafter_vocab(inputs["features"], drafter, str(inputs["drafter"].ref))
     return drafter.to(target.device)
 
 
 def _setup_data(
-    cfg: Config, sources: list[Dataset], rank: int, world_size: int, *, pin_memory: bool = False
+    cfg: Config,
+    sources: list[Dataset],
+    rank: int,
+    world_size: int,
+    *,
+    pin_memory: bool = False,
+    target: Any = None,
 ) -> tuple[training.FeatureLoader, training.FeatureLoader]:
-    """Train and validation loaders over the features, split by sequence with `cfg.seed`."""
-    index = training.FeatureIndex(sources, FEATURE_COLUMNS)
+    """Train and validation loaders over the features, split by sequence with `cfg.seed`
+    (`target` computes the hidden states of online features datasets, batch by batch)."""
+    index = training.FeatureIndex(sources, FEATURE_COLUMNS, target=target)
     train_rows, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
     common = dict(
         batch_size=cfg.batch_size,
@@ -265,6 +304,7 @@ def _summary(
     vocab: DraftVocab,
     ctx: RunContext,
     result: TrainResult,
+    drafter_kind: str,
 ) -> dict[str, Any]:
     """The dataset's summary: its data, the last validation and the run's numbers."""
     last_val = next(
@@ -276,12 +316,33 @@ def _summary(
         "more_features": [str(ds.ref) for ds in sources[1:]],
         "train_sequences": len(train.rows),
         "val_sequences": len(val.rows),
-        "objective": cfg.objective or "eagle3",
+        # What it trained: an EAGLE objective, or a kind's own loss (DFlash's decayed block CE).
+        "objective": cfg.objective or drafter_kind,
         "draft_vocab_size": vocab.draft_vocab_size,
         "aux_layer_ids": list(ctx.target_loader.target.aux_layer_ids),
         "target": ctx.target_loader.identity,
         "validation": last_val and {k: last_val[k] for k in VAL_KEYS},
     } | {k: run_summary[k] for k in SUMMARY_KEYS}
+
+
+def _online_summary(
+    datasets: list[Dataset], train: training.FeatureLoader, held: training.FeatureLoader | None
+) -> dict[str, Any]:
+    """With online features: which trajectories the target featurized, and what it cost this
+    run (timings: they measure the run, as `seconds_this_run` does). Empty when all features
+    were cached, so a cached run's summary is unchanged."""
+    online = [ds for ds in datasets if is_online(ds)]
+    if not online:
+        return {}
+    indexes = [train.index, *([held.index] if held is not None else [])]  # val shares train's
+    return {
+        "online_features": {
+            "features": [str(ds.ref) for ds in online],
+            "trajectories": [ds.meta.get("trajectories") for ds in online],
+            "target_forwards_this_run": sum(i.target_forwards for i in indexes),
+            "target_seconds_this_run": round(sum(i.target_seconds for i in indexes), 2),
+        }
+    }
 
 
 def run(
@@ -308,10 +369,10 @@ def run(
     vocab = DraftVocab(vocab_tensors["d2t"], vocab_tensors["t2d"])
 
     pin = target.device.type == "cuda"
-    train, val = _setup_data(cfg, sources, rank, world_size, pin_memory=pin)
+    train, val = _setup_data(cfg, sources, rank, world_size, pin_memory=pin, target=target)
     held = None
     if heldout is not None:
-        held = heldout_loader(heldout, cfg, rank, world_size, pin_memory=pin)
+        held = heldout_loader(heldout, cfg, rank, world_size, pin_memory=pin, target=target)
     drafter = _starting_drafter(inputs, target, vocab, cfg, ctx)
     trainer = Trainer(
         cfg,
@@ -347,7 +408,8 @@ def run(
     drafter = trainer.whole_drafter()
     if rank != 0:
         return {}
-    summary = _summary(cfg, sources, train, val, vocab, ctx, result)
+    summary = _summary(cfg, sources, train, val, vocab, ctx, result, drafter.kind)
+    summary |= _online_summary([*sources, *([heldout] if heldout is not None else [])], train, held)
     summary = write_drafter_dataset(output, drafter, feats, result.metrics, METRICS_SCHEMA, summary)
     trainer.finish()
     if world_size > 1:
@@ -371,4 +433,5 @@ STAGE = Stage(
     },
     drafting={"ttt_steps": "ttt_steps", "tau_k": "k"},
     ddp=True,
+    precheck=precheck,
 )

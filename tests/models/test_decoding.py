@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import models.decoding as spec
+import models.verify as verify
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.drafter import ChainShape, TreeShape
 from models.eagle3.drafter import Eagle3Drafter
@@ -239,11 +240,11 @@ def _resample_from_p(p, proposal, accepted, block_len, gen):
 
 
 @pytest.mark.parametrize(
-    ("name", "broken"), [("_accept_draft", _accept_always), ("_correction", _resample_from_p)]
+    ("name", "broken"), [("accept_drafts", _accept_always), ("correction", _resample_from_p)]
 )
 def test_sampling_law_catches_a_broken_verifier(law_case, monkeypatch, name: str, broken):
     target, drafter = law_case
-    monkeypatch.setattr(spec, name, broken)
+    monkeypatch.setattr(verify, name, broken)
     result = sample_first_three(target, drafter, 2, 1.0, n=8_000)
     stat, critical, _ = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, 1.0))
     assert stat > critical
@@ -639,14 +640,14 @@ def _accept_by_q(test, gen):  # Leviathan's test with q = 1/top_k: wrong for poi
 @pytest.mark.parametrize(
     ("name", "broken"),
     [
-        ("_accept_child", _accept_child_always),
-        ("_without", _keep_p),
-        ("_accept_child", _accept_by_q),
+        ("accept_children", _accept_child_always),
+        ("residual_without", _keep_p),
+        ("accept_children", _accept_by_q),
     ],
 )
 def test_tree_sampling_law_catches_a_broken_verifier(law_case, monkeypatch, name, broken):
     target, drafter = law_case
-    monkeypatch.setattr(spec, name, broken)
+    monkeypatch.setattr(verify, name, broken)
     result = sample_tree(target, drafter, (2, 3, 6), 1.0, n=8_000)
     stat, critical, _ = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, 1.0))
     assert stat > critical

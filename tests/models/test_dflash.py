@@ -12,14 +12,20 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-import models.decoding as spec
+import models.verify as verify
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.dflash.drafter import DFlashDrafter
-from models.dflash.export import export_dflash, load_dflash_export
-from models.dflash.model import DFlashConfig, DFlashModel, block_attention, default_mask_token
+from models.dflash.export import export_dflash
+from models.dflash.model import (
+    DEFAULT_ANCHORS,
+    DFlashConfig,
+    DFlashModel,
+    block_attention,
+    default_mask_token,
+)
 from models.dflash.train import block_loss, block_unroll, choose_anchors
 from models.drafter import ChainShape, CommittedRows, TreeShape
-from models.drafters import load_drafter, recorded_kind, save_drafter
+from models.drafters import load_drafter, recorded_kind, recorded_settings, save_drafter
 from models.losses import soft_cross_entropy, teacher_draft_probs
 from models.target import Target, load_target
 from models.vocab import DraftVocab
@@ -225,11 +231,11 @@ def test_sampling_law_equals_target(law_case, k: int, temperature: float):
 
 
 @pytest.mark.parametrize(
-    ("name", "broken"), [("_accept_draft", _accept_always), ("_correction", _resample_from_p)]
+    ("name", "broken"), [("accept_drafts", _accept_always), ("correction", _resample_from_p)]
 )
 def test_sampling_law_catches_a_broken_verifier(law_case, monkeypatch, name: str, broken):
     target, drafter = law_case
-    monkeypatch.setattr(spec, name, broken)
+    monkeypatch.setattr(verify, name, broken)
     result = sample_first_three(target, drafter, 2, 1.0, n=8_000)
     stat, critical, _ = chi_square(result.sequences, exact_joint(target, LAW_PROMPT, 1.0))
     assert stat > critical
@@ -508,6 +514,30 @@ def test_bad_settings_are_one_line_errors(tiny_llama: Target):
         make_dflash(tiny_llama, 64, ttt_steps=3)
 
 
+def test_settings_beyond_the_target_are_refused_before_any_tensor(tiny_llama: Target, tmp_path):
+    # tiny_llama: 4 layers, 512 positions, 96 ids
+    for settings, message in (
+        ({"block_size": 513}, "block_size 513 exceeds the target's 512 positions"),
+        ({"layers": 5}, r"a 5-layer drafter is deeper than the target \(4 layers\)"),
+        ({"mask_token_id": 96}, "mask_token_id 96 is outside the target vocab"),
+        ({"blocks": 3}, "unknown DFlash drafter settings"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            DFlashDrafter.check_settings(settings, tiny_llama)
+        with pytest.raises(ValueError, match=message):
+            make_dflash(tiny_llama, 64, **settings)
+    DFlashDrafter.check_settings({"block_size": 512, "layers": 4, "head": "target"}, tiny_llama)
+    # what a saved drafter was built with, by setting name (continuing it must not contradict it)
+    save_drafter(make_dflash(tiny_llama, 64, block_size=3, layers=1, mask_token_id=7), tmp_path)
+    assert recorded_settings(tmp_path) == {
+        "block_size": 3,
+        "layers": 1,
+        "anchors": DEFAULT_ANCHORS,
+        "mask_token_id": 7,
+        "head": "draft",
+    }
+
+
 def test_mask_token_is_the_pad_token_else_the_last_id():
     assert default_mask_token({"pad_token_id": 2, "eos_token_id": 1, "vocab_size": 4096}) == 2
     assert default_mask_token({"pad_token_id": 1, "eos_token_id": 1, "vocab_size": 4096}) == 4095
@@ -534,7 +564,7 @@ def test_export_round_trips_in_vllms_dflash_format(tiny_llama: Target, tmp_path,
     assert "fc.weight" in names and "layers.1.self_attn.k_norm.weight" in names
     assert not any(n.startswith(("model.", "embed_tokens")) for n in names)
     assert ("d2t" in names) == (draft_vocab < tiny_llama.vocab_size)
-    back = load_dflash_export(out, tiny_llama.embed_weight)
+    back = DFlashDrafter.read_export(out, tiny_llama.embed_weight)
     assert back.config == drafter.config
     prompts = random_prompts(3, tiny_llama.vocab_size, seed=7)
     cfg = SpecConfig(ChainShape(4), max_new_tokens=10, eos_token_ids=())
@@ -554,7 +584,7 @@ def test_a_target_head_exports_its_head_and_no_vocab_map(
     assert "d2t" not in shipped and "t2d" not in shipped
     # vLLM shares the target's head when the shipped one equals it: the same head either way.
     assert torch.equal(shipped["lm_head.weight"], tiny_llama.lm_head_weight)
-    back = load_dflash_export(out, tiny_llama.embed_weight)
+    back = DFlashDrafter.read_export(out, tiny_llama.embed_weight)
     assert back.config == target_head_case.config and not back.lm_head.weight.requires_grad
     assert torch.equal(back.probe_logits(3), target_head_case.probe_logits(3))
     prompts = random_prompts(3, tiny_llama.vocab_size, seed=7)

@@ -14,7 +14,6 @@ from models.eagle3.export import (
     ExportError,
     export_eagle3,
     export_speculators,
-    load_export,
 )
 from models.eagle3.model import Eagle3Config
 from models.vocab import DraftVocab
@@ -99,7 +98,7 @@ def test_native_export_layout_and_round_trip(drafter, tiny_llama, tmp_path):
     parsed = LlamaConfig.from_dict(config)
     assert parsed.rope_parameters == tiny_llama.config.rope_parameters
     assert parsed.head_dim == drafter.config.head_dim
-    loaded = load_export(tmp_path, tiny_llama.embed_weight)
+    loaded = Eagle3Drafter.read_export(tmp_path, tiny_llama.embed_weight)
     assert loaded.config == drafter.config
     assert torch.equal(logits_of(loaded, tiny_llama), logits_of(drafter, tiny_llama))
 
@@ -131,7 +130,7 @@ def test_speculators_export_layout_and_round_trip(drafter, tiny_llama, tmp_path)
     # self-contained: the target's embedding travels with the drafter
     assert set(tensors) == expected | {"embed_tokens.weight"}
     assert torch.equal(tensors["embed_tokens.weight"], tiny_llama.embed_weight)
-    loaded = load_export(tmp_path, tiny_llama.embed_weight)
+    loaded = Eagle3Drafter.read_export(tmp_path, tiny_llama.embed_weight)
     assert torch.equal(logits_of(loaded, tiny_llama), logits_of(drafter, tiny_llama))
 
 
@@ -141,7 +140,7 @@ def test_bf16_export_keeps_vocab_map_integral(drafter, tiny_llama, tmp_path):
     assert tensors["fc.weight"].dtype == torch.bfloat16
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    loaded = load_export(tmp_path, tiny_llama.embed_weight)
+    loaded = Eagle3Drafter.read_export(tmp_path, tiny_llama.embed_weight)
     assert loaded.fc.weight.dtype == torch.bfloat16
     want = logits_of(drafter.to(torch.bfloat16), tiny_llama)
     assert torch.equal(logits_of(loaded, tiny_llama), want)
@@ -286,14 +285,14 @@ def flip_t2d(tensors):
         ),
     ],
 )
-def test_load_export_refuses_corruption(drafter, tiny_llama, tmp_path, fmt, edit, message):
+def test_read_export_refuses_corruption(drafter, tiny_llama, tmp_path, fmt, edit, message):
     (export_native if fmt == "native" else export_spec)(drafter, tiny_llama, tmp_path)
     edit(tmp_path)
     with pytest.raises(ExportError, match=message):
-        load_export(tmp_path, tiny_llama.embed_weight)
+        Eagle3Drafter.read_export(tmp_path, tiny_llama.embed_weight)
 
 
-def test_load_export_accepts_the_targets_own_embedding_and_refuses_another_target(
+def test_read_export_accepts_the_targets_own_embedding_and_refuses_another_target(
     drafter, tiny_llama, tmp_path
 ):
     export_native(drafter, tiny_llama, tmp_path)
@@ -301,11 +300,11 @@ def test_load_export_accepts_the_targets_own_embedding_and_refuses_another_targe
         tmp_path, lambda t: t.update({"embed_tokens.weight": tiny_llama.embed_weight.clone()})
     )
     assert torch.equal(
-        logits_of(load_export(tmp_path, tiny_llama.embed_weight), tiny_llama),
+        logits_of(Eagle3Drafter.read_export(tmp_path, tiny_llama.embed_weight), tiny_llama),
         logits_of(drafter, tiny_llama),
     )
     with pytest.raises(ExportError, match="hidden size 32"):
-        load_export(tmp_path, torch.zeros(96, 64))
+        Eagle3Drafter.read_export(tmp_path, torch.zeros(96, 64))
 
 
 # ----------------------------------------------------------------------------- fresh loads
@@ -314,24 +313,24 @@ def test_load_export_accepts_the_targets_own_embedding_and_refuses_another_targe
 def test_a_fresh_load_of_each_export_gives_the_drafters_step0_logits(drafter, tiny_llama, tmp_path):
     want = logits_of(drafter, tiny_llama)
     export_native(drafter, tiny_llama, tmp_path / "native")
-    native = load_export(tmp_path / "native", tiny_llama.embed_weight)
+    native = Eagle3Drafter.read_export(tmp_path / "native", tiny_llama.embed_weight)
     assert torch.equal(logits_of(native, tiny_llama), want)
     with pytest.raises(ExportError, match="native EAGLE-3 export has no embedding"):
-        load_export(tmp_path / "native")
+        Eagle3Drafter.read_export(tmp_path / "native", None)
     # the speculators export runs on its own embedding: no verifier embedding is handed in
     export_spec(drafter, tiny_llama, tmp_path / "spec")
-    spec = load_export(tmp_path / "spec")
+    spec = Eagle3Drafter.read_export(tmp_path / "spec", None)
     assert torch.equal(logits_of(spec, tiny_llama), want)
 
 
 def test_speculators_load_uses_the_embedding_stored_in_the_export(drafter, tiny_llama, tmp_path):
     export_spec(drafter, tiny_llama, tmp_path)
     edit_tensors(tmp_path, lambda t: t["embed_tokens.weight"].mul_(2.0))
-    doubled = load_export(tmp_path)
+    doubled = Eagle3Drafter.read_export(tmp_path, None)
     assert torch.equal(doubled.embed_tokens.weight, 2.0 * tiny_llama.embed_weight)
     assert not torch.equal(logits_of(doubled, tiny_llama), logits_of(drafter, tiny_llama))
     with pytest.raises(ExportError, match="not the target's"):
-        load_export(tmp_path, tiny_llama.embed_weight)
+        Eagle3Drafter.read_export(tmp_path, tiny_llama.embed_weight)
 
 
 @pytest.mark.parametrize("ids", [(5, 1, 3), (3, 3, 5), (0, 2, 4), (1, 3, 6)])

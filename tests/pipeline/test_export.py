@@ -393,3 +393,125 @@ def test_target_for_rules(tmp_path):
         target_for([random, embedded], default, stated=False)
     # the embedded model named by its directory is the embedded target
     assert target_spec(TargetConfig(path=str(EMBEDDED_TARGET)))["path"] == "embedded"
+
+
+# ------------------------------------------------------------- issue #40: what export trusts
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _tune_record(root, ref, serve):
+    path = root / "_tune" / f"{ref.replace('@', '-')}.json"
+    path.parent.mkdir(exist_ok=True)
+    text = serve if isinstance(serve, str) else json.dumps({"T=0.0": {"serve": serve}})
+    path.write_text(text)
+    return path
+
+
+SERVE = {"k": 2, "speedup_vs_plain": 1.5, "prompts": 4, "drafter_depth": 3}
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        SERVE | {"k": 999},
+        SERVE | {"k": 4},  # one deeper than the drafter was trained
+        SERVE | {"k": 2.5},
+        SERVE | {"k": True},
+        SERVE | {"k": 0},
+        SERVE | {"speedup_vs_plain": "fast"},
+        SERVE | {"prompts": -1},
+        '{"T=0.0": {"serve": 3}}',
+        "{not json",
+        DEEP,
+    ],
+)
+def test_a_tampered_or_unreadable_tune_record_is_refused(trained, tmp_path, record):
+    root, target_dir, ref = trained
+    base = shutil.copytree(root, tmp_path / "root")
+    path = _tune_record(base, ref, record)
+    r = opd(base, "export", *named(target_dir), "--drafter", ref, "--out", str(tmp_path / "d"))
+    one_line_error(r, str(path))
+    assert "re-run `opd tune" in r.output and "delete the file" in r.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_valid_tune_record_and_set_drafting_k_pick_the_served_k(trained, tmp_path):
+    root, target_dir, ref = trained
+    base = shutil.copytree(root, tmp_path / "root")
+    _tune_record(base, ref, SERVE)
+    r = opd(base, "export", *named(target_dir), "--drafter", ref, "--out", str(tmp_path / "a"))
+    assert r.exit_code == 0 and "num_speculative_tokens 2: measured by `opd tune`" in r.output
+    args = ["--drafter", ref, "--set", "drafting.k=1", "--out", str(tmp_path / "b")]
+    r = opd(base, "export", *named(target_dir), *args)
+    assert r.exit_code == 0 and "num_speculative_tokens 1: --set drafting.k" in r.output, r.output
+    assert json.loads((tmp_path / "b" / "config.json").read_text())
+
+
+def test_export_refuses_a_k_deeper_than_the_drafter_was_trained(trained, tmp_path):
+    root, target_dir, ref = trained
+    for k in ("4", "50"):
+        args = ["--drafter", ref, "--k", k, "--out", str(tmp_path / "d")]
+        one_line_error(opd(root, "export", *named(target_dir), *args), "exceeds the 3 steps")
+    assert not (tmp_path / "d").exists()
+
+
+def test_verify_checks_files_in_subdirectories_too(tmp_path):
+    from pipeline.core.export import write_checksums
+
+    export = tmp_path / "export"
+    (export / "sub").mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    (export / "sub" / "weights.bin").write_bytes(b"\x00" * 64)
+    write_checksums(export, drafter="sft@0123456789ab", fmt="eagle3")
+    assert verify_export(export) == 2
+    (export / "sub" / "weights.bin").write_bytes(b"\x00" * 63 + b"\x01")
+    with pytest.raises(OpdError, match="sub/weights.bin fails its sha256 check"):
+        verify_export(export)
+    (export / "sub" / "weights.bin").write_bytes(b"\x00" * 64)
+    (export / "sub" / "added.bin").write_bytes(b"x")
+    with pytest.raises(OpdError, match="sub/added.bin is not one of the files"):
+        verify_export(export)
+
+
+def test_an_unreadable_checksums_file_is_one_line_and_a_cached_one_is_rewritten(
+    trained, tmp_path, caplog
+):
+    root, target_dir, ref = trained
+    base = shutil.copytree(root, tmp_path / "root")
+    out = tmp_path / "drafter"
+    assert (
+        opd(base, "export", *named(target_dir), "--drafter", ref, "--out", str(out)).exit_code == 0
+    )
+    (out / "opd_export.json").write_text(DEEP)
+    one_line_error(opd(base, "export", "--verify", str(out)), "opd_export.json is unreadable")
+    drafter = Store(base).open(ref)
+    loader = TargetLoader(target_for([drafter], load_config("tiny").target, stated=False))
+    path = ensure_export(drafter, loader, base, 3)
+    (path / "opd_export.json").write_text(DEEP)
+    with caplog.at_level("WARNING", logger="opd"):
+        assert ensure_export(drafter, loader, base, 3) == path
+    assert "nested too deeply" in caplog.text and verify_export(path) == 2
+
+
+def test_export_never_replaces_a_dataset_of_another_data_root(trained, tmp_path):
+    root, target_dir, ref = trained
+    other = shutil.copytree(root, tmp_path / "other")  # another root, holding the same version
+    version = ref.split("@")[1]
+    before = {str(p.relative_to(other)) for p in other.rglob("*")}
+    for out in (
+        other / "sft" / version,
+        other / "sft" / version / "deeper",
+        other / "sft",
+        other,
+        other / "newdir",
+        tmp_path,  # holds the other root
+    ):
+        r = opd(
+            root, "export", *named(target_dir), "--drafter", ref, "--out", str(out), "--overwrite"
+        )
+        one_line_error(r, "refused even with --overwrite")
+        assert "data root" in r.output or "dataset" in r.output
+    assert {str(p.relative_to(other)) for p in other.rglob("*")} == before
+    assert opd(other, "show", ref, "--verify").exit_code == 0

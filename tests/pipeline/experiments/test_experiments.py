@@ -337,3 +337,61 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
 
     clash = CliRunner().invoke(cli, [*args, "--set", "drafter.kind=eagle3"])
     assert clash.exit_code != 0 and "name the kind once" in clash.output
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--budget-ratio", "inf"], "--budget-ratio must be a finite number in (0, 1000], got inf"),
+        (["--budget-ratio", "nan"], "--budget-ratio must be a finite number in (0, 1000], got nan"),
+        (["--budget-ratio", "-1"], "--budget-ratio must be a finite number in (0, 1000], got -1"),
+        (["--budget-ratio", "1e308"], "--budget-ratio must be a finite number in (0, 1000]"),
+        (["--sft-data-temperature", "-1"], "--sft-data-temperature must be a finite number >= 0"),
+        (["--sft-data-temperature", "nan"], "--sft-data-temperature must be a finite number >= 0"),
+        (["--sft-data-temperature", "inf"], "--sft-data-temperature must be a finite number >= 0"),
+        (["--first-seed", str(2**64)], "--first-seed and --seeds must keep every seed below"),
+        (["--first-seed", "-1"], "--first-seed and --seeds must keep every seed"),
+        (
+            ["--drafter-kind", "dflash", "--set", "drafter.mask_token_id=4096"],
+            "mask_token_id 4096 is outside the target vocab",
+        ),
+        (
+            ["--drafter-kind", "dflash", "--set", "drafter.layers=0"],
+            "drafter.layers: Input should be greater than or equal to 1",
+        ),
+    ],
+)
+def test_bad_opd_vs_sft_options_are_one_line_errors_before_any_stage(tmp_path, options, message):
+    _one_line_experiment_error(tmp_path, ["opd-vs-sft", *options], message)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--budget-ratio", "inf"], "--budget-ratio must be a finite number in (0, 1000], got inf"),
+        (["--budget-ratio", "nan"], "--budget-ratio must be a finite number in (0, 1000], got nan"),
+        (["--budget-ratio", "0"], "--budget-ratio must be a finite number in (0, 1000], got 0"),
+    ],
+)
+def test_bad_ablate_options_are_one_line_errors_before_any_stage(tmp_path, options, message):
+    _one_line_experiment_error(tmp_path, ["ablate", *options], message)
+
+
+def _one_line_experiment_error(root, args: list[str], message: str) -> None:
+    """`opd experiment ARGS` on the tiny profile is a one-line error (exit 2) naming `message`,
+    and writes nothing besides the prompts it was given."""
+    from storage import Store
+    from tests.pipeline.conftest import write_prompts
+
+    prompts = write_prompts(Store(root))
+    before = sorted(root.rglob("*"))
+    cmd, *options = args
+    full = ["--root", str(root), "experiment", cmd, "--profile", "tiny", "--set", "rounds=1"]
+    r = CliRunner().invoke(cli, [*full, "--prompts", str(prompts.ref), *options])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert message in lines[0], r.output
+    assert sorted(p for p in root.rglob("*") if not p.name.endswith(".lock")) == [
+        p for p in before if not p.name.endswith(".lock")
+    ]

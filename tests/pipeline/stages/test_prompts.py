@@ -223,6 +223,18 @@ def test_a_lone_surrogate_is_a_skipped_row_not_a_traceback(tokenizer, tmp_path):
         user_rows(write_jsonl(tmp_path / "only.jsonl", [lone]), tokenizer, PromptsConfig())
 
 
+def test_a_byte_order_mark_keeps_the_first_row_and_a_deeply_nested_row_is_skipped(
+    tokenizer, tmp_path
+):
+    first, second = json.dumps({"text": "def g():\n"}), json.dumps({"text": "def h():\n"})
+    deep = '{"text": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path = write_jsonl(tmp_path / "bom.jsonl", [b"\xef\xbb\xbf" + first.encode(), deep, second])
+    rows, skipped = user_rows(path, tokenizer, PromptsConfig())
+    assert [r["source"] for r in rows] == ["bom.jsonl:1", "bom.jsonl:3"]
+    assert rows[0]["prompt_text"] == "def g():\n"
+    assert skipped == {"bad_json": 1}
+
+
 def test_unusable_files_are_clear_errors(tokenizer, tmp_path):
     cfg = PromptsConfig()
     with pytest.raises(ValueError, match="no usable prompt rows"):

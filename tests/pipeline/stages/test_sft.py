@@ -10,8 +10,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from cli.main import cli
 from models.drafters import load_drafter
 from models.losses import (
     feature_regression,
@@ -20,7 +22,7 @@ from models.losses import (
     ttt_loss,
 )
 from models.vocab import DraftVocab
-from pipeline.core import drafters, training, validation
+from pipeline.core import drafters, targets, training, validation
 from pipeline.core.config import version_dict
 from pipeline.core.runner import RunContext, run_stage
 from pipeline.core.targets import TargetConfig, TargetLoader
@@ -368,3 +370,119 @@ def test_sft_under_ddp_with_two_gloo_ranks_commits_once(tiny_features, tmp_path)
     assert (
         load_drafter(ds.path, ctx.target_loader.target.embed_weight).lm_head.weight.shape[0] == 512
     )
+
+
+# ------------------------------------------------------------- refusals before any work
+
+
+@pytest.fixture(scope="module")
+def two_kinds(tiny_features, tmp_path_factory):
+    """(root, DFlash sft ref, EAGLE-3 sft ref): the tiny features copied into a root of their
+    own (the other tests' datasets stay out of its listings), one drafter of each kind on them."""
+    store, _, feats = tiny_features
+    root = tmp_path_factory.mktemp("kinds")
+    for name in ("prompts", "trajectories", "features"):
+        shutil.copytree(store.root / name, root / name)
+    own = Store(root)
+    cfg = load_config("tiny", sets=["drafter.kind=dflash", *DFLASH_SETS])
+    ctx = RunContext(store=own, target_loader=TargetLoader(cfg.target), progress=False)
+    feats = own.open(str(feats.ref))
+    dflash = run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
+    eagle3 = run_stage(sft.STAGE, load_config("tiny").sft, {"features": feats}, ctx).dataset
+    return root, str(dflash.ref), str(eagle3.ref)
+
+
+DFLASH_SETS = ["drafter.block_size=4", "drafter.layers=1"]
+
+
+def _sft_error(root: Path, *args: str) -> str:
+    """The one line `opd run sft ARGS` ends with (exit 2), checking that nothing was written."""
+    before = sorted(p.relative_to(root) for p in root.rglob("*") if not p.name.endswith(".lock"))
+    cli_args = ["--root", str(root), "run", "sft", "--profile", "tiny", "--no-progress", *args]
+    r = CliRunner().invoke(cli, cli_args)
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    after = sorted(p.relative_to(root) for p in root.rglob("*") if not p.name.endswith(".lock"))
+    assert after == before, set(after) - set(before)  # no dataset, no empty directory
+    return lines[0]
+
+
+def _sets(*sets: str) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+def test_continuing_a_drafter_refuses_another_kind_or_architecture_before_any_work(two_kinds):
+    root, dflash, eagle3 = two_kinds
+    continued = ["--input", f"drafter={dflash}"]
+    for setting, value, recorded in (
+        ("block_size", 5, 4),
+        ("layers", 2, 1),
+        ("anchors", 7, 256),
+        ("mask_token_id", 9, 2),
+        ("head", "target", "draft"),
+    ):
+        sets = _sets("drafter.kind=dflash", f"drafter.{setting}={value}")
+        error = _sft_error(root, *continued, *sets)
+        assert f"drafter.{setting}={value}" in error and f"{dflash} has {recorded}" in error, error
+        assert "drop the setting or train a fresh drafter" in error, error
+    # A kind other than the continued drafter's, either way, and the default kind (EAGLE-3).
+    for args in (continued, [*continued, *_sets("drafter.kind=eagle3")]):
+        error = _sft_error(root, *args)
+        assert f"{dflash} holds a dflash drafter, but drafter.kind is eagle3" in error, error
+        assert "--set drafter.kind=dflash" in error, error
+    error = _sft_error(root, "--input", f"drafter={eagle3}", *_sets("drafter.kind=dflash"))
+    assert f"{eagle3} holds a eagle3 drafter, but drafter.kind is dflash" in error, error
+    # Offsets deeper than its block drafts (its block_size 4 drafts 3).
+    error = _sft_error(root, *continued, *_sets("drafter.kind=dflash", "drafting.ttt_steps=4"))
+    assert f"drafting.ttt_steps (4) trained offsets do not fit {dflash}" in error, error
+    # Its own settings (or none) continue it.
+    sets = _sets("drafter.kind=dflash", *DFLASH_SETS, "sft.steps=1")
+    r = CliRunner().invoke(
+        cli, ["--root", str(root), "run", "sft", "--profile", "tiny", *continued, *sets]
+    )
+    assert r.exit_code == 0, r.output
+
+
+def test_bad_dflash_settings_are_one_line_errors_before_any_work(two_kinds, monkeypatch, tmp_path):
+    root, _, _ = two_kinds
+    dflash = _sets("drafter.kind=dflash", "sft.steps=1")
+    for sets, message in (
+        (["drafter.block_size=100000"], "drafter.block_size: Input should be less than or equal"),
+        (["drafter.layers=0"], "drafter.layers: Input should be greater than or equal to 1"),
+        (["drafter.anchors=0"], "drafter.anchors: Input should be greater than or equal to 1"),
+        (["drafter.mask_token_id=-1"], "drafter.mask_token_id: Input should be greater than or"),
+        (["drafter.mask_token_id=4096"], "mask_token_id 4096 is outside the target vocab"),
+        (["drafter.mask_token_id=99999"], "mask_token_id 99999 is outside the target vocab"),
+        (["drafter.layers=5"], "a 5-layer drafter is deeper than the target (4 layers)"),
+    ):
+        error = _sft_error(root, *dflash, *_sets(*sets))
+        assert message in error, (sets, error)
+    # A chain refuses them before its first stage.
+    empty = tmp_path / "empty"
+    args = ["--root", str(empty), "run", "sft-chain", "--profile", "tiny", *dflash]
+    r = CliRunner().invoke(cli, [*args, *_sets("drafter.mask_token_id=4096")])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "error: drafter settings do not fit the target: DFlash mask_token_id 4096 is outside "
+        "the target vocab [0, 4096); change that drafter.* setting or leave it unset (the kind's "
+        "default)"
+    ], r.output
+    assert not empty.exists() or not any(empty.rglob("*.parquet"))
+    # A target with fewer positions than a block spans (the tiny one has 2,048).
+    build = targets._build_random
+
+    def short(*args):
+        model = build(*args)
+        model.config.max_position_embeddings = 32
+        return model
+
+    monkeypatch.setattr(targets, "_build_random", short)
+    error = _sft_error(root, *dflash, *_sets("drafter.block_size=33"))
+    assert "block_size 33 exceeds the target's 32 positions" in error, error
+
+
+def test_a_dflash_summary_names_the_objective_it_trained(two_kinds):
+    root, dflash, eagle3 = two_kinds
+    store = Store(root)
+    assert store.open(dflash).meta["objective"] == "dflash"
+    assert store.open(eagle3).meta["objective"] == "eagle3"

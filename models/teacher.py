@@ -1,0 +1,105 @@
+"""The training teacher, recomputed from stored hidden states in bounded memory.
+
+Training reads three things from the target's logits at a cached post-norm hidden state: the
+logits at the draft-vocab ids (the teacher on the draft vocab), the full vocabulary's argmax (T=0
+acceptance) and its log-normaliser at a temperature (the full distribution's mass on the draft
+ids, for acceptance and the TV / expected-length losses). At a 128k vocabulary the [rows, V]
+fp32 logits of a batch are 0.5 MB a row (16 GB for 16 x 2k tokens), so `teacher_logits` runs
+the LM head over blocks of vocabulary columns and keeps only those three reductions: at most
+`BLOCK_ELEMENTS` logits exist at once, plus the [rows, Vd] draft logits training needs anyway.
+When one block covers the whole vocabulary, the draft logits are bit for bit the plain head's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BLOCK_ELEMENTS = 1 << 26
+"""The most target logits (rows x vocabulary columns) one block holds: 256 MiB in fp32."""
+
+
+@dataclass
+class TeacherLogits:
+    """The target's logits over the full vocabulary, reduced to what training reads.
+
+    It stands in for the [.., V] logits tensor where the pipeline reads only these views
+    (`models.losses.teacher_draft_probs`, the drafters' acceptance statistics): `shape` is the
+    full logits' shape, `argmax(-1)` the full vocabulary's argmax.
+    """
+
+    draft: Tensor  # [.., Vd] fp32: logits at the draft ids, in draft-id order
+    top: Tensor  # [..] int64: argmax over the full vocabulary (a target id)
+    log_norm: dict[float, Tensor]  # T -> [..] fp32: logsumexp over the full vocabulary of logits/T
+    vocab_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.top.shape, self.vocab_size))
+
+    @property
+    def device(self) -> torch.device:
+        return self.draft.device
+
+    def argmax(self, dim: int = -1) -> Tensor:
+        if dim not in (-1, len(self.top.shape)):
+            raise ValueError(f"a teacher's argmax is over the vocabulary (dim -1), got dim={dim}")
+        return self.top
+
+    def full_mass(self, temperature: float) -> Tensor:
+        """The full softmax(logits / T)'s mass on each draft id: [.., Vd] (sums to <= 1)."""
+        if temperature not in self.log_norm:
+            raise ValueError(
+                f"this teacher was computed for temperatures {sorted(self.log_norm)}, not "
+                f"{temperature}: pass it to teacher_logits(..., temperatures=...)"
+            )
+        return (self.draft / temperature - self.log_norm[temperature][..., None]).exp()
+
+
+@torch.no_grad()
+def teacher_logits(
+    last_hidden: Tensor,
+    lm_head_weight: Tensor,
+    draft_ids: Tensor,
+    temperatures: Iterable[float] = (),
+    *,
+    block_elements: int = BLOCK_ELEMENTS,
+) -> TeacherLogits:
+    """`TeacherLogits` of post-norm hidden states [.., H] through the head [V, H].
+
+    draft_ids [Vd]: strictly increasing target ids (`DraftVocab.draft_to_target_ids`). The
+    log-normaliser is kept at T = 1 and at every positive temperature in `temperatures`.
+    """
+    vocab, width = lm_head_weight.shape
+    lead = last_hidden.shape[:-1]
+    hidden = last_hidden.reshape(-1, width).to(lm_head_weight)  # [N, H]
+    rows = hidden.shape[0]
+    ids = draft_ids.to(lm_head_weight.device)
+    columns = max(1, block_elements // max(rows, 1))  # vocabulary columns per block
+    temps = sorted({1.0, *(float(t) for t in temperatures if t > 0)})
+    draft = torch.empty(rows, ids.numel(), dtype=torch.float32, device=hidden.device)
+    top_value = torch.full((rows,), -torch.inf, device=hidden.device)
+    top = torch.zeros(rows, dtype=torch.int64, device=hidden.device)
+    norms = {t: torch.full((rows,), -torch.inf, device=hidden.device) for t in temps}
+    bounds = torch.searchsorted(ids, torch.arange(0, vocab + columns, columns, device=ids.device))
+    for i, start in enumerate(range(0, vocab, columns)):
+        block = F.linear(hidden, lm_head_weight[start : start + columns]).float()  # [N, c]
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        draft[:, lo:hi] = block[:, ids[lo:hi] - start]
+        value, index = block.max(-1)
+        better = value > top_value  # strict: the first maximum wins, as argmax does
+        top_value = torch.where(better, value, top_value)
+        top = torch.where(better, index + start, top)
+        for t in temps:
+            norms[t] = torch.logaddexp(norms[t], (block / t).logsumexp(-1))
+        del block
+    return TeacherLogits(
+        draft.reshape(*lead, -1),
+        top.reshape(lead),
+        {t: n.reshape(lead) for t, n in norms.items()},
+        vocab,
+    )

@@ -1,0 +1,57 @@
+"""The blocked teacher (`models.teacher`) against the plain [.., V] logits it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.losses import teacher_draft_probs
+from models.teacher import teacher_logits
+from models.vocab import DraftVocab
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    vocab, width = 1000, 32
+    head = torch.randn(vocab, width)
+    hidden = torch.randn(3, 5, width) * 2  # [B, T, H]
+    draft = DraftVocab.from_counts(torch.randint(0, 50, (vocab,)), 200)
+    return head, hidden, draft
+
+
+@pytest.mark.parametrize("block_elements", [1 << 26, 15 * 64, 15 * 7])  # 1, 16 and 143 blocks
+def test_every_view_training_reads_equals_the_full_logits(setup, block_elements):
+    head, hidden, draft = setup
+    full = F.linear(hidden, head)  # [B, T, V]
+    teacher = teacher_logits(
+        hidden, head, draft.draft_to_target_ids, [0.7], block_elements=block_elements
+    )
+    assert teacher.shape == full.shape and torch.equal(teacher.argmax(-1), full.argmax(-1))
+    for temperature in (0.0, 0.7, 1.0):
+        for renormalize in (True, False):
+            want = teacher_draft_probs(full, draft, temperature, renormalize=renormalize)
+            got = teacher_draft_probs(teacher, draft, temperature, renormalize=renormalize)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if (
+        block_elements == 1 << 26
+    ):  # one block: the training teacher is the plain head's, bit for bit
+        assert torch.equal(
+            teacher_draft_probs(teacher, draft, 0.7), teacher_draft_probs(full, draft, 0.7)
+        )
+
+
+def test_the_argmax_outside_the_draft_vocab_gives_a_zero_greedy_mass(setup):
+    head, hidden, draft = setup
+    teacher = teacher_logits(hidden, head, draft.draft_to_target_ids)
+    outside = draft.to_draft(teacher.top) < 0
+    greedy = teacher_draft_probs(teacher, draft, 0.0, renormalize=False)
+    assert torch.equal(greedy.sum(-1), (~outside).float())
+
+
+def test_a_temperature_not_computed_is_refused(setup):
+    head, hidden, draft = setup
+    teacher = teacher_logits(hidden, head, draft.draft_to_target_ids)
+    with pytest.raises(ValueError, match="temperatures \\[1.0\\], not 0.5"):
+        teacher_draft_probs(teacher, draft, 0.5, renormalize=False)
