@@ -39,13 +39,17 @@ demo: $(STAMP)
 TEST_ENV := PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 DO_NOT_TRACK=1 \
 	PREFECT_SERVER_ANALYTICS_ENABLED=false
 
+# Two workers (tests are single-threaded; one per core); a test file stays in one worker, and
+# every test that starts a vLLM engine shares one (tests/conftest.py).
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
 # The whole suite, vLLM's engine included: what CI runs (.ci/run).
 test: $(STAMP) $(VLLM_STAMP)
-	$(TEST_ENV) $(BIN)/python -m pytest -q tests
+	$(TEST_ENV) $(PYTEST) tests
 
 # For quick local runs: everything but the tests that start vLLM engines (no `make vllm` needed).
 test-fast: $(STAMP)
-	$(TEST_ENV) $(BIN)/python -m pytest -q -m 'not vllm' tests
+	$(TEST_ENV) $(PYTEST) -m 'not vllm' tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -42,14 +42,18 @@ from typing import Any
 import torch
 
 from models.draft_length import THRESHOLDS, TuneOptions, tune
+from models.drafters import kind_spec
 from pipeline.core.drafters import drafter_kind, load_drafter_dataset, trained_depth
 from pipeline.core.targets import TargetLoader
 from pipeline.core.tuning import heldout_prompts
 from pipeline.profiles import load_config
 from storage import OpdError, Store, default_root
 
-LABELS = {"eagle3": "chain", "dflash": "dflash"}
-"""How the headline names a drafter kind's keys: EAGLE-3 drafts a chain, DFlash a block."""
+
+def kind_label(kind: str) -> str:
+    """How the headline names a drafter kind's keys: a block drafter by its kind, every
+    other kind drafts a chain."""
+    return kind if kind_spec(kind).drafts_blocks else "chain"
 
 
 def load(root: str, profile: str, n_prompts: int | None):
@@ -125,7 +129,7 @@ def main() -> None:
         if cfg.drafting.k > depth:
             raise OpdError(f"drafting.k ({cfg.drafting.k}) exceeds {ds.ref}'s depth {depth}")
         drafter = load_drafter_dataset(ds, loader.target, loader.identity).eval()
-        drafters.append((ds, drafter, depth, LABELS[drafter_kind(ds)]))
+        drafters.append((ds, drafter, depth, kind_label(drafter_kind(ds))))
     if len({label for *_, label in drafters}) < len(drafters):
         raise OpdError("--compare a drafter of the other kind (its keys would collide)")
     tuned: list[list[dict[str, Any]]] = [[] for _ in drafters]

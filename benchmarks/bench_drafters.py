@@ -91,7 +91,7 @@ def decode_all(
             res = target_generate(target, chunk, max_new, temperature, seed=i)
             seqs += res.sequences
             continue
-        if kind in ("chain", "dflash"):  # a DFlash block is a chain to the loop
+        if tree is None:  # chains, and a block drafter's blocks: a chain to the loop
             shape = ChainShape(k)
         else:
             shape = TreeShape(k, tree.top_k, tree.budget, tree.min_confidence)
@@ -118,12 +118,12 @@ def decode_all(
 
 
 def run_setting(
-    target, drafter, prompts, temperature, batch, k, trees, max_new, repeats, dflash=None
+    target, drafter, prompts, temperature, batch, k, trees, max_new, repeats, block=None
 ):
     """All decoders on one (temperature, batch): best of `repeats`, speed-ups over plain.
-    `dflash`: a DFlash drafter decoded as one more chain, kind `dflash`."""
-    kinds = ("plain", "chain", *trees, *(("dflash",) if dflash is not None else ()))
-    uses = {"dflash": dflash}
+    `block`: (its kind, a block drafter) decoded as one more chain, named by its kind."""
+    uses = dict([block]) if block is not None else {}
+    kinds = ("plain", "chain", *trees, *uses)
     for kind in kinds:  # warm-up: first-call allocations and kernels out of the timings
         tree, d = trees.get(kind), uses.get(kind, drafter)
         decode_all(kind, target, d, prompts[:batch], batch, temperature, k, tree, 4)
@@ -194,13 +194,16 @@ def main() -> None:
         ),
     }
     max_new = args.max_new or cfg.evaluate.max_new_tokens
-    dflash = None
+    block = None  # (kind, drafter) of --dflash
     if args.dflash is not None:
         store, loader = Store(root), TargetLoader(cfg.target)
         dflash_ds = store.open(args.dflash)
-        dflash = load_drafter_dataset(dflash_ds, target, loader.identity, kind="dflash").eval()
+        dflash = load_drafter_dataset(dflash_ds, target, loader.identity).eval()
+        if not dflash.drafts_blocks:
+            raise SystemExit(f"--dflash {args.dflash}: a {dflash.kind} drafter drafts no blocks")
+        block = (dflash.kind, dflash)
     settings = [
-        run_setting(target, drafter, prompts, t, b, k, trees, max_new, args.repeats, dflash)
+        run_setting(target, drafter, prompts, t, b, k, trees, max_new, args.repeats, block)
         for t in (0.0, 1.0)
         for b in (1, args.batch)
     ]
@@ -208,7 +211,7 @@ def main() -> None:
     for s in settings:
         if s["batch"] == 1:
             t = int(s["temperature"])
-            for kind in ("chain", *trees, *(("dflash",) if dflash is not None else ())):
+            for kind in ("chain", *trees, *([block[0]] if block is not None else [])):
                 headline[f"speedup_{kind}_t{t}"] = s[kind]["speedup_vs_plain"]
                 headline[f"tau_{kind}_t{t}"] = s[kind]["tau"]
                 headline[f"drafter_share_{kind}_t{t}"] = s[kind]["drafter_share"]

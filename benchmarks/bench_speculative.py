@@ -28,24 +28,25 @@ import torch
 from benchmarks.bench_tree_scoring import embedded_or_random_target
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.drafter import ChainShape
-from models.drafters import drafter_class, load_drafter
+from models.drafters import DEFAULT_KIND, drafter_class, load_drafter
+from models.features import Features
 from models.losses import teacher_draft_probs
 from models.target import Target
 from models.vocab import DraftVocab
 
 
 def fit_drafter(target: Target, sequences: torch.Tensor, draft_vocab: int, steps: int):
-    """An EAGLE-3 drafter fitted with its warm-up loss (2 unrolled steps) to `sequences`."""
+    """A drafter of the default kind (EAGLE-3) fitted with its warm-up loss (2 unrolled steps) to `sequences`."""
     counts = torch.bincount(sequences.reshape(-1), minlength=target.vocab_size).float()
     vocab = DraftVocab.from_counts(counts, draft_vocab)
     torch.manual_seed(0)
-    drafter = drafter_class("eagle3").new(target, vocab, {})
+    drafter = drafter_class(DEFAULT_KIND).new(target, vocab, {})
     with torch.no_grad():
         out = target.forward(sequences)
         teacher = teacher_draft_probs(out.logits, vocab, 1.0)
     opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     for _ in range(steps):
-        unrolled = drafter.unroll(out.aux_hidden, sequences, None, 2)
+        unrolled = drafter.unroll(Features(sequences, out.aux_hidden, out.last_hidden), None, 2)
         loss = drafter.sft_loss(unrolled, teacher, out.last_hidden, decay=0.8, objective=None)
         opt.zero_grad()
         loss.backward()

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from cli.common import command_config, command_target, setup_logging
+from models.drafters import DEFAULT_KIND, KINDS
 from storage import Store
 
 
@@ -80,7 +81,7 @@ def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
         raise click.UsageError(
             f"--drafter-kind {kind} but --set drafter.kind={given[0]}: name the kind once"
         )
-    return sets if kind == "eagle3" or given else (*sets, f"drafter.kind={kind}")
+    return sets if kind == DEFAULT_KIND or given else (*sets, f"drafter.kind={kind}")
 
 
 @experiment_group.command("opd-vs-sft")
@@ -108,10 +109,12 @@ def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
 )
 @click.option(
     "--drafter-kind",
-    type=click.Choice(["eagle3", "dflash"]),
-    default="eagle3",
+    type=click.Choice(list(KINDS)),
+    default=DEFAULT_KIND,
     show_default=True,
-    help="The student every arm trains: EAGLE-3 chains or DFlash blocks (drafter.kind).",
+    help="The student every arm trains (drafter.kind): "
+    + ", ".join(f"{s.name} ({s.title})" for s in KINDS.values())
+    + ".",
 )
 @click.option(
     "--sft-data-temperature",

@@ -42,7 +42,6 @@ from torch import Tensor
 
 from models.drafter import (
     ChainShape,
-    CommittedRows,
     Drafter,
     Proposal,
     Shape,
@@ -50,6 +49,7 @@ from models.drafter import (
     confident_length,
     truncated,
 )
+from models.features import Features
 from models.kv import extend_mask, trim_slots, valid_upto
 from models.target import Target
 from models.verify import Verdict, accept, ancestors, sample_target
@@ -180,7 +180,7 @@ def speculative_generate(
             teacher = torch.where(in_block, out.last_hidden[:, :depth], 0.0)
             entry["teacher"] = teacher.to(torch.bfloat16).cpu()  # [B, K, H]
         rows, entry["path_tokens"], entry["emitted"] = _commit(
-            target, state, proposal, verdict, out.aux_hidden, start, eos
+            target, state, proposal, verdict, out, start, eos
         )
         logged.append(entry)
     return _result(state, logged, cfg, counts, timer)
@@ -288,7 +288,7 @@ def _prefill(
     temperature: float,
     gen: torch.Generator,
     timer: _ForwardTimer,
-) -> tuple[_Batch, CommittedRows]:
+) -> tuple[_Batch, Features]:
     """One target forward over the right-padded prompts; samples each row's first new token.
 
     Returns the batch state and the prompts as the drafter's first rows.
@@ -312,8 +312,8 @@ def _prefill(
     seq[rows, lengths] = first
     state = _Batch(seq, lengths + 1, lengths.clone(), cache, valid, target)
     # ids are a copy: later steps write into `seq` where short prompts end
-    first_rows = CommittedRows(
-        seq[:, 1 : width + 1].clone(), out.aux_hidden, positions, valid.clone()
+    first_rows = Features(
+        seq[:, 1 : width + 1].clone(), out.aux_hidden, out.last_hidden, positions, valid.clone()
     )
     return state, first_rows
 
@@ -353,14 +353,15 @@ def _commit(
     state: _Batch,
     proposal: Proposal,
     verdict: Verdict,
-    aux_hidden: Tensor,
+    out: Any,
     start: int,
     eos: Tensor,
-) -> tuple[CommittedRows, Tensor, Tensor]:
+) -> tuple[Features, Tensor, Tensor]:
     """Write the path and the next token, keep the root and the path in the target's cache.
     Returns the committed rows for the drafter's next proposal, the tokens written [B, D+1]
-    (the path, then the next token) and the tokens emitted per row [B]."""
-    batch, device = state.batch, aux_hidden.device
+    (the path, then the next token) and the tokens emitted per row [B]. `out` is the verify
+    forward's output (aux_hidden [B, 1+N, F], last_hidden [B, 1+N, H])."""
+    batch, device = state.batch, out.aux_hidden.device
     rows = torch.arange(batch, device=device)
     accepted, path = verdict.accepted, verdict.path  # [B], [B, D]
     depth = path.shape[1]
@@ -375,21 +376,23 @@ def _commit(
     write_at = state.seq_len[:, None] + torch.arange(depth + 1, device=device)
     state.seq.scatter_(1, write_at, tokens)
     positions = (state.seq_len - 1)[:, None] + torch.arange(depth + 1, device=device)
-    if proposal.is_chain:  # the accepted drafts already follow the root in the cache
-        aux = aux_hidden
-    else:
+    aux, last_hidden = out.aux_hidden, out.last_hidden
+    if not proposal.is_chain:  # a chain's accepted drafts already follow the root in the cache
         kept = torch.cat([torch.zeros_like(last_tok), path], dim=1)  # [B, D+1] tree rows
         target.keep_cache_slots(state.cache, start, kept)
-        aux = aux_hidden.gather(1, kept[..., None].expand(-1, -1, aux_hidden.shape[-1]))
+        aux, last_hidden = (
+            t.gather(1, kept[..., None].expand(-1, -1, t.shape[-1])) for t in (aux, last_hidden)
+        )
     state.seq_len += emitted
     state.n_gen += emitted
     # Valid target slots: the previous last token plus the accepted drafts.
     state.t_valid = torch.cat([state.t_valid, valid_upto(depth + 1, accepted, device)], dim=1)
     state.t_valid = trim_slots(state.t_valid, state.cache, crop=target.crop_cache)
     width = int(emitted.max())
-    committed = CommittedRows(
+    committed = Features(
         ids=tokens[:, :width],
         aux=aux[:, :width],
+        last_hidden=last_hidden[:, :width],
         positions=positions[:, :width],
         valid=torch.arange(width, device=device)[None] < emitted[:, None],
     )

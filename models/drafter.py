@@ -1,22 +1,25 @@
 """The drafter interface: what the stages, benchmarks and the decoding loop need from any drafter.
 
-A drafter kind (`eagle3`, `dflash`) is one package in models/ whose drafter class subclasses
-`Drafter`; `models.drafters` maps kind names to those classes and saves / loads any of them with
-the kind recorded. Nothing outside models/ names a kind's classes.
+A drafter kind is one package in models/ exporting a `models.kind.KindSpec` (its settings
+model, its drafter class, its capabilities); `models.drafters` builds the registry from the
+specs and saves / loads any drafter with its kind recorded. Nothing outside models/ names a
+kind's classes.
 
-What a kind provides:
-  - building: `new` (fresh, for a target and its frozen draft vocabulary), `from_tensors` (a
-    checkpoint's tensors), `tensors` (what a checkpoint holds: never the target's own weights),
-    `untrained` (same config, fresh weights: evaluate's contrast);
-  - decoding: `proposer` (drafts for the one decoding loop, `models.decoding`, with its own cache)
-    and `replay` (drafts from logged positions of a finished sequence: score's replays);
-  - training: `unroll` (the training forward over cached features, optionally along replayed
+The interface is split by role, and a kind implements the roles it has:
+  - `Drafter` (every kind): building (`new` for a target and its frozen draft vocabulary,
+    `from_tensors` / `tensors` for checkpoints, never the target's own weights, `untrained` for
+    evaluate's contrast) and proposing (`proposer`: drafts for the one decoding loop,
+    `models.decoding`, with its own cache);
+  - `TrainableDrafter`: `replay` (drafts from logged positions of a finished sequence: score's
+    replays), `unroll` (the training forward over cached features, optionally along replayed
     drafts; `training_module` wraps it for DDP), `sft_loss` and `acceptance` (the warm-up and
     its teacher-forced acceptance), `replay_logits` / `rollout_ce_loss` (Draft-OPD: the
     drafter along scored replays, for `models.losses.replay_loss`, and its CE anchor);
-  - serving: `export_formats` and `write_export` (the directories vLLM loads, written through
-    `models.export`), `read_export` (one read back), `serve_method` (vLLM's speculative method)
-    and `probe_logits` (logits on a fixed input: the export round trip compares them).
+  - `ServableDrafter`: `write_export` (the directories vLLM loads, written through
+    `models.export`), `read_export` (one read back), `served_tokens` and `probe_logits`
+    (logits on a fixed input: the export round trip compares them).
+Every method that reads the target's states takes one `models.features.Features` record, so a
+kind reading another of its fields changes no caller.
 
 Proposals. Per verify step a proposer returns a `Proposal`: N drafted nodes per batch row. A
 chain (or a block drafted in one forward) is the proposal whose node i continues node i-1; a
@@ -30,13 +33,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from models.acceptance import AcceptanceStats
+from models.features import Features
 from models.vocab import DraftVocab
+
+if TYPE_CHECKING:
+    from models.kind import KindSpec
 
 
 @dataclass(frozen=True)
@@ -66,20 +73,6 @@ class TreeShape:
 
 
 Shape = ChainShape | TreeShape
-
-
-@dataclass
-class CommittedRows:
-    """Rows committed since a proposer last ran, in the drafter row convention: row j holds
-    the target's features at sequence position `positions[:, j]` and the token after it."""
-
-    ids: Tensor  # [B, W] the token at position + 1
-    aux: Tensor  # [B, W, F] the target's features at `positions` (low/mid/high concatenated)
-    positions: Tensor  # [B, W]
-    valid: Tensor  # [B, W] bool; rows commit different numbers of tokens
-
-    def select(self, rows: Tensor) -> CommittedRows:
-        return CommittedRows(self.ids[rows], self.aux[rows], self.positions[rows], self.valid[rows])
 
 
 @dataclass
@@ -144,9 +137,10 @@ def truncated(proposal: Proposal, keep: Tensor) -> Proposal:
 class Proposer(Protocol):
     """A drafter's state during one decoding call: its cache and the rows it has seen."""
 
-    def propose(self, rows: CommittedRows, budget: Tensor) -> Proposal:
-        """Read `rows` (committed since the last call; the prompts at the first) and draft up
-        to budget [B] nodes deep per row (max(budget) >= 1)."""
+    def propose(self, rows: Features, budget: Tensor) -> Proposal:
+        """Read `rows` (committed since the last call, in the committed-rows convention of
+        `models.features`; the prompts at the first) and draft up to budget [B] nodes deep per
+        row (max(budget) >= 1)."""
         ...
 
     def keep_rows(self, rows: Tensor) -> None:
@@ -164,15 +158,20 @@ class Replayed:
 
 
 class Drafter(nn.Module, ABC):
-    """Base class of every drafter kind (module docstring)."""
+    """Base class of every drafter kind: building and proposing, what even a decode-only kind
+    has. Training (`TrainableDrafter`) and serving (`ServableDrafter`) are roles a kind adds;
+    a stage that needs one checks it with `require`."""
 
-    kind: ClassVar[str]
-    export_formats: ClassVar[tuple[str, ...]]  # the first is the default
-    serve_method: ClassVar[str]  # vLLM's `--speculative-config` "method" for this kind
-    drafts_blocks: ClassVar[bool] = False
-    """Whether a drafted token's distribution ignores the drafts before it (one block per
-    forward): Draft-OPD then takes its block form (`models.losses.block_opd_loss`)."""
+    spec: ClassVar[KindSpec]  # the kind's spec (set by it: models.kind.KindSpec)
     config: Any  # the kind's frozen config dataclass (`to_dict()` / `from_dict()`)
+
+    @property
+    def kind(self) -> str:
+        return self.spec.name
+
+    @property
+    def drafts_blocks(self) -> bool:
+        return self.spec.drafts_blocks
 
     # -- building -------------------------------------------------------------------------
 
@@ -180,19 +179,13 @@ class Drafter(nn.Module, ABC):
     @abstractmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> Drafter:
         """A freshly initialised drafter for `target` (seed torch's RNG first); `settings` are
-        the kind's own options (the pipeline's `drafter` section)."""
-
-    @classmethod
-    def max_draft_depth(cls, settings: Mapping[str, Any]) -> int | None:
-        """The most draft offsets a drafter of these settings can propose per step (None: no
-        bound of its own; a chain drafter is bounded only by what it was trained for)."""
-        return None
+        the kind's own options (`KindSettings.settings()`)."""
 
     @classmethod
     def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
         """Refuse settings `new` could not build a drafter of for `target` (ValueError naming
         the setting), without allocating one: callers run it before any work. A kind without
-        settings accepts none (`new` refuses them)."""
+        settings accepts none (its settings model refuses them)."""
 
     @classmethod
     def settings_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -205,11 +198,12 @@ class Drafter(nn.Module, ABC):
     def from_tensors(
         cls,
         config: Mapping[str, Any],
-        embed_weight: Tensor,
+        embed_weight: Tensor | None,
         tensors: Mapping[str, Tensor],
         source: str,
     ) -> Drafter:
-        """A drafter from a checkpoint's config and tensors; refuses missing, unexpected or
+        """A drafter from a checkpoint's config and tensors (beside the target's embedding,
+        None for a kind that reads none); refuses missing, unexpected or
         misshapen tensors by name (`source` names the checkpoint in errors)."""
 
     @abstractmethod
@@ -223,13 +217,13 @@ class Drafter(nn.Module, ABC):
     def rebuilt(self, tensors: Mapping[str, Tensor], source: str) -> Drafter:
         """This drafter's kind and config with other tensors (e.g. gathered from FSDP shards)."""
         embed = self.frozen_embedding()
-        return (
-            type(self).from_tensors(self.config.to_dict(), embed, tensors, source).to(embed.device)
-        )
+        device = next(self.parameters()).device if embed is None else embed.device
+        return type(self).from_tensors(self.config.to_dict(), embed, tensors, source).to(device)
 
-    @abstractmethod
-    def frozen_embedding(self) -> Tensor:
-        """The target's embedding this drafter reads (never trained, never saved)."""
+    def frozen_embedding(self) -> Tensor | None:
+        """The target's embedding this drafter reads (never trained, never saved); None for a
+        kind that reads none (a Medusa head)."""
+        return None
 
     @property
     @abstractmethod
@@ -248,11 +242,25 @@ class Drafter(nn.Module, ABC):
     ) -> Proposer:
         """A fresh proposer for one decoding call; `timer("drafter")` wraps its forwards."""
 
+
+def require(drafter: Drafter | type[Drafter], role: type[Drafter], use: str) -> None:
+    """Refuse, with one line, a kind that lacks the role `use` needs (TrainableDrafter,
+    ServableDrafter)."""
+    cls = drafter if isinstance(drafter, type) else type(drafter)
+    if not issubclass(cls, role):
+        raise ValueError(f"a {cls.spec.name} drafter cannot {use} (it is no {role.__name__})")
+
+
+class TrainableDrafter(Drafter):
+    """The training role: SFT's and Draft-OPD's forwards and losses over cached features.
+
+    A kind assigns its own functions (their first argument the drafter) rather than restating
+    these signatures."""
+
     @abstractmethod
     def replay(
         self,
-        aux_hidden: Tensor,
-        input_ids: Tensor,
+        features: Features,
         anchors: Tensor,
         k: int,
         *,
@@ -260,30 +268,28 @@ class Drafter(nn.Module, ABC):
         generator: torch.Generator | None = None,
     ) -> Replayed:
         """Draft K tokens from each anchor e of one finished sequence, as the decoding loop
-        would from the prefix y<e. aux_hidden [T, F], input_ids [T], anchors [C] (repeat one for
-        several samples); T=0 drafts the argmax, T>0 samples with `generator`."""
-
-    # -- training -------------------------------------------------------------------------
+        would from the prefix y<e. features: one sequence ([T] ids, [T, F] aux; the sequence
+        convention of `models.features`), anchors [C] (repeat one for several samples); T=0
+        drafts the argmax, T>0 samples with `generator`."""
 
     @abstractmethod
     def unroll(
         self,
-        aux_hidden: Tensor,
-        input_ids: Tensor,
+        features: Features,
         loss_mask: Tensor | None,
         steps: int,
         replays: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> Any:
-        """The training forward over a batch of sequences: aux_hidden [B, T, F] (the target's
-        features), input_ids [B, T], loss_mask [B, T] (positions trained on), `steps` draft
+        """The training forward over a batch of sequences: features (the sequence convention
+        of `models.features`, [B, T]), loss_mask [B, T] (positions trained on), `steps` draft
         offsets. With replays (item [N], anchor [N], tokens [N, K]: the drafts a decoder made
         from the prefix y<anchor of batch row item) the outputs also cover those drafts. The
         result is what `sft_loss`, `acceptance`, `replay_logits` and `rollout_ce_loss` read."""
 
-    @abstractmethod
     def training_module(self) -> nn.Module:
         """`unroll` as one module, so DDP sees one forward per backward:
         forward(*unrolls) -> [unroll(*u) for u in unrolls]."""
+        return Unrolls(self)
 
     @abstractmethod
     def sft_loss(
@@ -291,7 +297,7 @@ class Drafter(nn.Module, ABC):
     ) -> Tensor:
         """The warm-up loss of a teacher-forced unroll; teacher [B, T, Vd] is the target's
         distribution at every position, last_hidden [B, T, H] its post-norm state; `decay`
-        weighs later draft offsets; `objective` picks a kind's alternative objective."""
+        weighs later draft offsets; `objective` picks one of the spec's `objectives`."""
 
     @abstractmethod
     def acceptance(
@@ -311,22 +317,42 @@ class Drafter(nn.Module, ABC):
         """The warm-up loss on the teacher-forced part of an unroll given replays (the rollout
         sequences' own rows: Draft-OPD's CE anchor at no extra forward)."""
 
-    # -- serving --------------------------------------------------------------------------
+
+class Unrolls(nn.Module):
+    """Several `unroll`s (a Draft-OPD step's replays and its CE anchor's batch) as one forward.
+    Each unroll is (features, loss_mask, replays or None, steps)."""
+
+    def __init__(self, drafter: TrainableDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, *unrolls: tuple) -> list[Any]:
+        return [
+            self.drafter.unroll(features, mask, steps, replays)
+            for features, mask, replays, steps in unrolls
+        ]
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    """What an export records about the target it serves beside."""
+
+    config: Any  # the target's HF config
+    identity: Mapping[str, Any] | None  # its identity (provenance)
+    embed_weight: Tensor  # its embedding [V, H]
+
+
+class ServableDrafter(Drafter):
+    """The serving role: the directories vLLM loads (the spec's `export_formats`, served with
+    its `serve_method`), read back and compared by `probe_logits`."""
 
     @abstractmethod
     def write_export(
-        self,
-        fmt: str,
-        out_dir: Path,
-        *,
-        target_config: Any,
-        target_identity: Mapping[str, Any] | None,
-        target_embed_weight: Tensor,
-        speculative_tokens: int,
-        verifier: str | None,
+        self, fmt: str, out_dir: Path, target: ExportTarget, *, k: int, verifier: str | None
     ) -> Path:
-        """Write this drafter as `fmt` (one of `export_formats`) into `out_dir`, refusing
-        (`models.export.ExportError`) what vLLM would load but serve wrongly."""
+        """Write this drafter as `fmt` (one of the spec's `export_formats`) into `out_dir` to
+        serve `k` speculative tokens, refusing (`models.export.ExportError`) what vLLM would
+        load but serve wrongly."""
 
     def served_tokens(self, k: int) -> int:
         """`num_speculative_tokens` vLLM must serve this drafter with, given the K asked for

@@ -1,4 +1,5 @@
-"""Every drafter kind by name, and saving / loading a drafter of any kind with its kind recorded.
+"""The registry of drafter kinds (built from each kind's `SPEC`), and saving / loading a drafter
+of any kind with its kind recorded. Adding a kind is its package plus its line below.
 
 A checkpoint directory holds `model.safetensors` (the kind's `tensors()`, never the target's
 weights) and `drafter_config.json` (the kind's config plus `"kind"`). Directories written before
@@ -16,21 +17,25 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from models.dflash.drafter import DFlashDrafter
+from models import dflash, eagle3
 from models.drafter import Drafter
-from models.eagle3.drafter import Eagle3Drafter
+from models.kind import KindSpec
 
-KINDS: dict[str, type[Drafter]] = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}
-DEFAULT_KIND = "eagle3"
+KINDS: dict[str, KindSpec] = {spec.name: spec for spec in (eagle3.SPEC, dflash.SPEC)}
+DEFAULT_KIND = "eagle3"  # what `drafter.kind` unset means, and what a kind-less record holds
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "model.safetensors"
 KIND_KEY = "kind"
 
 
-def drafter_class(kind: str) -> type[Drafter]:
+def kind_spec(kind: str) -> KindSpec:
     if kind not in KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; kinds: {', '.join(KINDS)}")
     return KINDS[kind]
+
+
+def drafter_class(kind: str) -> type[Drafter]:
+    return kind_spec(kind).drafter
 
 
 def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:

@@ -1,6 +1,6 @@
 """Export any drafter kind for serving, and read an export back.
 
-Each kind writes its own formats (`Drafter.export_formats`; EAGLE-3's in models/eagle3/export.py)
+Each kind writes its own formats (its spec's `export_formats`; EAGLE-3's in models/eagle3/export.py)
 and checks its invariants before a file is written; the file names, `PROVENANCE_KEY` and
 `ExportError` they share are in models/export_format.py. Every export records its provenance, the
 drafter kind included, under `PROVENANCE_KEY` in its config.json, so `read_export` knows which
@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from models.drafter import Drafter
-from models.drafters import drafter_class
+from models.drafter import Drafter, ExportTarget, ServableDrafter, require
+from models.drafters import DEFAULT_KIND, drafter_class
 from models.export_format import CONFIG_FILE, PROVENANCE_KEY, ExportError
 
 
@@ -28,27 +26,18 @@ def write_export(
     drafter: Drafter,
     fmt: str,
     out_dir: str | os.PathLike,
+    target: ExportTarget,
     *,
-    target_config: Any,
-    target_identity: Mapping[str, Any] | None,
-    target_embed_weight: Tensor,
-    speculative_tokens: int,
+    k: int,
     verifier: str | None = None,
 ) -> Path:
-    """Write `drafter` as `fmt` (one of its kind's `export_formats`) into `out_dir`."""
-    if fmt not in drafter.export_formats:
-        raise ExportError(
-            f"a {drafter.kind} drafter exports as {' or '.join(drafter.export_formats)}, not {fmt!r}"
-        )
-    return drafter.write_export(
-        fmt,
-        Path(out_dir),
-        target_config=target_config,
-        target_identity=target_identity,
-        target_embed_weight=target_embed_weight,
-        speculative_tokens=speculative_tokens,
-        verifier=verifier,
-    )
+    """Write `drafter` as `fmt` (one of its kind's `export_formats`) into `out_dir`, to serve
+    `k` speculative tokens beside `target`."""
+    formats = drafter.spec.export_formats
+    if not isinstance(drafter, ServableDrafter) or fmt not in formats:
+        given = " or ".join(formats) if formats else "nothing"
+        raise ExportError(f"a {drafter.kind} drafter exports as {given}, not {fmt!r}")
+    return drafter.write_export(fmt, Path(out_dir), target, k=k, verifier=verifier)
 
 
 def exported_kind(export_dir: str | os.PathLike) -> str:
@@ -61,7 +50,7 @@ def exported_kind(export_dir: str | os.PathLike) -> str:
     except (OSError, ValueError) as err:
         raise ExportError(f"{path} is not readable JSON ({err}); re-export the drafter") from None
     provenance = config.get(PROVENANCE_KEY) if isinstance(config, dict) else None
-    kind = (provenance or {}).get("drafter_kind", "eagle3")
+    kind = (provenance or {}).get("drafter_kind", DEFAULT_KIND)
     if not isinstance(kind, str):
         raise ExportError(f"{path}: {PROVENANCE_KEY}.drafter_kind is {kind!r}, not a kind name")
     return kind
@@ -72,6 +61,7 @@ def read_export(export_dir: str | os.PathLike, embed_weight: Tensor | None) -> D
     kind = exported_kind(export_dir)
     try:
         cls = drafter_class(kind)
+        require(cls, ServableDrafter, "be read from an export")
     except ValueError as err:
         raise ExportError(f"{export_dir}: {err}") from None
     drafter = cls.read_export(Path(export_dir), embed_weight)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.drafters import drafter_class
+from models.drafters import kind_spec
 from pipeline import stages
 from pipeline.core.config import StrictConfig
 from pipeline.core.drafters import drafter_kind
@@ -168,6 +168,8 @@ def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int)
         return None
     last = drafters[-1]
     base = root / EXPORTS_DIR / str(last.ref).replace("@", "-")
-    formats = drafter_class(drafter_kind(last)).export_formats
+    formats = kind_spec(drafter_kind(last)).export_formats
+    if not formats:  # a kind that is not served: nothing to export
+        return None
     infos = [export_drafter(last, loader, f, base / f, k, overwrite=True) for f in formats]
     return infos[0] | {"formats": list(formats)}

@@ -15,11 +15,13 @@ from typing import Any
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
+from models.drafters import DEFAULT_KIND, KINDS
 from pipeline.core.config import (
     DrafterConfig,
     DraftTree,
     StopConfidence,
     StrictConfig,
+    default_drafter,
     optional_field,
 )
 from pipeline.core.targets import TargetConfig
@@ -74,7 +76,7 @@ class DraftingConfig(StrictConfig):
 class _PipelineBase(StrictConfig):
     target: TargetConfig = TargetConfig()
     drafting: DraftingConfig = DraftingConfig()
-    drafter: DrafterConfig = DrafterConfig()
+    drafter: DrafterConfig = Field(default_factory=default_drafter)
     """The drafter kind the warm-up trains (later stages read the kind its dataset records)."""
     rounds: int = Field(2, ge=0)
     """Draft-OPD rounds (rollout -> score -> opd) after the SFT warm-up in the `full` chain."""
@@ -159,7 +161,10 @@ def parse_set(item: str) -> dict[str, Any]:
 
 def _problem(err: Any) -> str:
     msg = err["msg"].removeprefix("Value error, ")
-    loc = ".".join(str(p) for p in err["loc"])
+    # The `drafter` union puts the kind in the location (drafter.dflash.layers): users set
+    # drafter.layers.
+    parts = [p for i, p in enumerate(err["loc"]) if not (i and p in KINDS)]
+    loc = ".".join(str(p) for p in parts)
     return f"{loc}: {msg}" if loc else msg
 
 
@@ -191,7 +196,7 @@ def load_config(
     for item in sets:
         user = _merge(user, parse_set(item))
     drafter = _merge(data, user).get("drafter")
-    kind = drafter.get("kind", DrafterConfig().kind) if isinstance(drafter, dict) else None
+    kind = drafter.get("kind", DEFAULT_KIND) if isinstance(drafter, dict) else None
     data = _merge(_merge(data, by_kind.get(kind, {}) if isinstance(kind, str) else {}), user)
     try:
         return PipelineConfig.model_validate(data)

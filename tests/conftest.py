@@ -4,12 +4,23 @@ import logging
 import os
 import sys
 
+import pytest
 import torch
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups to schedule by
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n 2 --dist loadgroup` (make test): a test file's tests run in one worker,
+    so a module's fixtures are built once, and every test that starts a vLLM engine runs in one
+    worker, which builds the session's engines (30-50 s each) once."""
+    for item in items:
+        group = "vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -87,6 +87,46 @@ def test_drafter_kinds_are_reached_only_through_the_interface():
         assert not bad, f"{p.relative_to(REPO)} imports a drafter kind's module {sorted(bad)}"
 
 
+KIND_NAME_EXCEPTIONS = {
+    # vLLM's own speculative-method name, the default of its engine spec (models/vllm_engine.py
+    # wraps vLLM's API; the kind a caller serves passes its spec's serve_method).
+    "models/vllm_engine.py",
+}
+
+
+def _kind_names(source: str, kinds: tuple[str, ...]) -> list[str]:
+    """String constants that name a drafter kind (the name itself, or `kind=<name>`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in kinds or any(f"kind={k}" in node.value for k in kinds):
+                found.append(f"line {node.lineno}: {node.value!r}")
+    return found
+
+
+def test_the_kind_name_check_sees_names_and_settings():
+    src = 'a = "eagle3"\nb = f"--set drafter.kind=dflash {x}"\nc = "eagle3 chains"\n'
+    assert _kind_names(src, ("eagle3", "dflash")) == [
+        "line 1: 'eagle3'",
+        "line 2: '--set drafter.kind=dflash '",
+    ]
+
+
+def test_no_kind_name_outside_its_package_and_the_registry():
+    # A kind describes itself (models/<kind>/__init__.py: its SPEC); everything else reads the
+    # registry, so a new kind is its package plus its line in models.drafters.KINDS.
+    from models.drafters import KINDS
+
+    kinds = tuple(KINDS)
+    for p in _files(*PACKAGES, "flows"):
+        rel = p.relative_to(REPO).as_posix()
+        if rel in KIND_NAME_EXCEPTIONS or rel == "models/drafters.py":
+            continue
+        if rel.startswith("models/") and p.relative_to(REPO / "models").parts[0] in KINDS:
+            continue
+        assert not (bad := _kind_names(p.read_text(), kinds)), f"{rel} names a kind: {bad}"
+
+
 def test_only_flows_import_prefect():
     offenders = [
         str(p.relative_to(REPO)) for p in _files(*PACKAGES) if "prefect" in _imports(p.read_text())

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from models.acceptance import AcceptanceStats
 from models.dflash.export import export_dflash, read_dflash_export
@@ -31,14 +31,20 @@ from models.dflash.model import (
 from models.dflash.propose import DFlashProposer
 from models.dflash.train import (
     BlockUnroll,
-    BlockUnrolls,
     block_acceptance,
     block_replay_logits,
     block_unroll,
     replay_blocks,
     sft_block_loss,
 )
-from models.drafter import FrozenEmbeddingDrafter, Proposer, Replayed, Shape
+from models.drafter import (
+    ExportTarget,
+    FrozenEmbeddingDrafter,
+    Proposer,
+    ServableDrafter,
+    Shape,
+    TrainableDrafter,
+)
 from models.vocab import DraftVocab
 
 SETTINGS = {
@@ -52,15 +58,10 @@ CONFIG_FIELDS = {name: "num_layers" if name == "layers" else name for name in SE
 """Each setting's field in DFlashConfig."""
 
 
-class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
-    kind = "dflash"
-    export_formats = ("dflash",)
-    serve_method = "dflash"
-    drafts_blocks = True
-
-    @classmethod
-    def max_draft_depth(cls, settings: Mapping[str, Any]) -> int | None:
-        return (settings.get("block_size") or DEFAULT_BLOCK_SIZE) - 1
+class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter, TrainableDrafter, ServableDrafter):
+    # The training forwards are train.py's functions, the drafter first.
+    replay = replay_blocks
+    unroll = block_unroll
 
     # -- building -------------------------------------------------------------------------
 
@@ -164,34 +165,7 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
     ) -> Proposer:
         return DFlashProposer(self, shape, temperature, generator, timer)
 
-    def replay(
-        self,
-        aux_hidden: Tensor,
-        input_ids: Tensor,
-        anchors: Tensor,
-        k: int,
-        *,
-        temperature: float = 0.0,
-        generator: torch.Generator | None = None,
-    ) -> Replayed:
-        return replay_blocks(
-            self, aux_hidden, input_ids, anchors, k, temperature=temperature, generator=generator
-        )
-
     # -- training -------------------------------------------------------------------------
-
-    def unroll(
-        self,
-        aux_hidden: Tensor,
-        input_ids: Tensor,
-        loss_mask: Tensor | None,
-        steps: int,
-        replays: tuple[Tensor, Tensor, Tensor] | None = None,
-    ) -> BlockUnroll:
-        return block_unroll(self, aux_hidden, input_ids, loss_mask, steps, replays)
-
-    def training_module(self) -> nn.Module:
-        return BlockUnrolls(self)
 
     def sft_loss(
         self,
@@ -202,11 +176,6 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
         decay: float,
         objective: str | None = None,
     ) -> Tensor:
-        if objective is not None:
-            raise ValueError(
-                f"sft.objective={objective} is an EAGLE objective; a DFlash drafter trains its "
-                "blocks (leave sft.objective unset)"
-            )
         return sft_block_loss(out, teacher, decay)
 
     def acceptance(
@@ -226,17 +195,9 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter):
     # -- serving --------------------------------------------------------------------------
 
     def write_export(
-        self,
-        fmt: str,
-        out_dir: Path,
-        *,
-        target_config: Any,
-        target_identity: Mapping[str, Any] | None,
-        target_embed_weight: Tensor,
-        speculative_tokens: int,
-        verifier: str | None,
+        self, fmt: str, out_dir: Path, target: ExportTarget, *, k: int, verifier: str | None
     ) -> Path:
-        return export_dflash(self, out_dir, target_identity=target_identity)
+        return export_dflash(self, out_dir, target_identity=target.identity)
 
     def served_tokens(self, k: int) -> int:
         # vLLM's dflash proposer drafts num_speculative_tokens slots and never reads block_size.

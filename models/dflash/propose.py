@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from models.dflash.model import DFlashModel
-from models.drafter import ChainShape, CommittedRows, Proposal, Shape
+from models.drafter import ChainShape, Proposal, Shape
+from models.features import Features
 from models.kv import KVCache, trim_slots
 
 
@@ -61,7 +62,7 @@ class DFlashProposer:
         self.cache.select_rows(rows)
         self.valid = trim_slots(self.valid[rows], self.cache)
 
-    def propose(self, rows: CommittedRows, budget: Tensor) -> Proposal:
+    def propose(self, rows: Features, budget: Tensor) -> Proposal:
         batch, device = len(rows.ids), rows.ids.device
         if self.valid is None:
             self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)

@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from models.acceptance import AcceptanceStats
 from models.dflash.model import DFlashModel
 from models.drafter import Replayed
+from models.features import Features, replay_inputs
 from models.losses import acceptance_rate, soft_cross_entropy, teacher_draft_probs
 from models.vocab import DraftVocab
 
@@ -68,16 +69,16 @@ def _replay_columns(item: Tensor, rows: int) -> tuple[Tensor, Tensor]:
 
 def block_unroll(
     drafter: DFlashModel,
-    aux_hidden: Tensor,
-    input_ids: Tensor,
+    features: Features,
     loss_mask: Tensor | None,
     steps: int,
     replays: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> BlockUnroll:
-    """The drafter over every anchor of a batch in one forward. aux_hidden [N, T, F] (features
-    at positions 0..T-1), input_ids [N, T], loss_mask [N, T] bool; `steps` = K slots trained.
-    With replays (item [R], anchor e [R], tokens [R, K]) each replay's block (anchor position
-    e-1, module docstring) joins its row's blocks in the same forward: `replayed` [R, K, Vd]."""
+    """The drafter over every anchor of a batch in one forward. features: aux [N, T, F] (at
+    positions 0..T-1), ids [N, T]; loss_mask [N, T] bool; `steps` = K slots trained. With
+    replays (item [R], anchor e [R], tokens [R, K]) each replay's block (anchor position e-1,
+    module docstring) joins its row's blocks in the same forward: `replayed` [R, K, Vd]."""
+    aux_hidden, input_ids = features.aux, features.ids
     block = drafter.config.block_size
     if not 1 <= steps <= block - 1:
         raise ValueError(
@@ -163,21 +164,6 @@ def block_acceptance(
     return stats
 
 
-class BlockUnrolls(nn.Module):
-    """`block_unroll` of several batches as one forward, so DDP sees one forward per backward.
-    Each unroll is (aux_hidden, input_ids, loss_mask, replays or None, steps)."""
-
-    def __init__(self, drafter: DFlashModel):
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, *unrolls: tuple) -> list[BlockUnroll]:
-        return [
-            block_unroll(self.drafter, aux, ids, mask, steps, replays)
-            for aux, ids, mask, replays, steps in unrolls
-        ]
-
-
 def block_replay_logits(out: BlockUnroll, anchor: Tensor) -> Tensor:
     """The drafter's logits [R, K, Vd] along each replay of an unroll given replays."""
     if out.replayed is None or len(out.replayed) != len(anchor):
@@ -188,8 +174,7 @@ def block_replay_logits(out: BlockUnroll, anchor: Tensor) -> Tensor:
 @torch.no_grad()
 def replay_blocks(
     drafter: DFlashModel,
-    aux_hidden: Tensor,
-    input_ids: Tensor,
+    features: Features,
     anchors: Tensor,
     k: int,
     *,
@@ -199,25 +184,13 @@ def replay_blocks(
     """K drafts from each anchor e of one sequence, as the proposer drafts them after committing
     y<e: one forward of all C blocks (anchor position e-1, context < e-1) over one context pass.
 
-    aux_hidden [T, F], input_ids [T], anchors [C] with 2 <= e <= T. T=0 drafts each slot's
+    features: ids [T], aux [T, F]; anchors [C] with 2 <= e <= T. T=0 drafts each slot's
     argmax; T>0 samples each slot from its own q = softmax(logits / T) with `generator` (a
     slot's q does not depend on the drafts before it, models/dflash/propose.py)."""
     device = drafter.fc.weight.device
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)  # [T]
-    anchors = torch.as_tensor(anchors, dtype=torch.long, device=device).reshape(-1)  # [C]
-    T, C, drafts = ids.numel(), anchors.numel(), drafter.config.block_size - 1
-    if aux_hidden.shape[0] != T:
-        raise ValueError(f"aux_hidden has {aux_hidden.shape[0]} rows for {T} tokens")
-    if C == 0 or not 1 <= k <= drafts:
-        raise ValueError(
-            f"need at least one anchor and 1 <= k <= {drafts} (the block's drafted slots), "
-            f"got {C} anchors and k={k}"
-        )
-    if int(anchors.min()) < 2 or int(anchors.max()) > T:
-        raise ValueError(
-            f"anchors must lie in [2, {T}] (anchor e needs the context before e-1 and token "
-            f"e-1), got {anchors.min().item()}..{anchors.max().item()}"
-        )
+    most = drafter.config.block_size - 1
+    ids, aux_hidden, anchors = replay_inputs(features, anchors, k, device, most)
+    C = anchors.numel()
     starts = anchors - 1  # [C] block positions
     width = int(starts.max())
     positions = torch.arange(width, device=device)

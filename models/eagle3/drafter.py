@@ -8,15 +8,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from models.acceptance import AcceptanceStats
-from models.drafter import FrozenEmbeddingDrafter, Proposer, Replayed, Shape, TreeShape
+from models.drafter import (
+    ExportTarget,
+    FrozenEmbeddingDrafter,
+    Proposer,
+    ServableDrafter,
+    Shape,
+    TrainableDrafter,
+    TreeShape,
+)
 from models.eagle3.export import export_eagle3, export_speculators, read_eagle3_export
 from models.eagle3.model import Eagle3Config, Eagle3Model
 from models.eagle3.propose import Eagle3Proposer, replay_drafts
 from models.eagle3.train import (
-    OPDUnrolls,
     Unrolled,
     objective_loss,
     replay_logits,
@@ -28,20 +35,17 @@ from models.export_format import ExportError
 from models.vocab import DraftVocab
 
 
-class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter):
-    kind = "eagle3"
-    export_formats = ("eagle3", "speculators")
-    serve_method = "eagle3"
+class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter, TrainableDrafter, ServableDrafter):
+    # The training forwards are train.py's and propose.py's functions, the drafter first.
+    replay = replay_drafts
+    unroll = unrolled
+    replay_logits = staticmethod(replay_logits)
+    rollout_ce_loss = staticmethod(rollout_ce_loss)
 
     # -- building -------------------------------------------------------------------------
 
     @classmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> Eagle3Drafter:
-        if settings:
-            raise ValueError(
-                f"EAGLE-3 drafters take no drafter settings, got {sorted(settings)}: they size "
-                "themselves from the target (drop them or set drafter.kind)"
-            )
         config = Eagle3Config.from_target(
             target.config, vocab.draft_vocab_size, target.aux_layer_ids
         )
@@ -94,34 +98,7 @@ class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter):
             )
         return Eagle3Proposer(self, shape, temperature, generator, timer)
 
-    def replay(
-        self,
-        aux_hidden: Tensor,
-        input_ids: Tensor,
-        anchors: Tensor,
-        k: int,
-        *,
-        temperature: float = 0.0,
-        generator: torch.Generator | None = None,
-    ) -> Replayed:
-        return replay_drafts(
-            self, aux_hidden, input_ids, anchors, k, temperature=temperature, generator=generator
-        )
-
     # -- training -------------------------------------------------------------------------
-
-    def unroll(
-        self,
-        aux_hidden: Tensor,
-        input_ids: Tensor,
-        loss_mask: Tensor | None,
-        steps: int,
-        replays: tuple[Tensor, Tensor, Tensor] | None = None,
-    ) -> Unrolled:
-        return unrolled(self, aux_hidden, input_ids, loss_mask, steps, replays)
-
-    def training_module(self) -> nn.Module:
-        return OPDUnrolls(self)
 
     def sft_loss(
         self,
@@ -139,45 +116,29 @@ class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter):
     ) -> AcceptanceStats:
         return ttt_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
 
-    def replay_logits(self, out: Unrolled, item: Tensor, anchor: Tensor) -> Tensor:
-        return replay_logits(out, item, anchor)
-
-    def rollout_ce_loss(
-        self, out: Unrolled, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
-    ) -> Tensor:
-        return rollout_ce_loss(out, teacher, item, anchor, decay)
-
     # -- serving --------------------------------------------------------------------------
 
     def write_export(
-        self,
-        fmt: str,
-        out_dir: Path,
-        *,
-        target_config: Any,
-        target_identity: Mapping[str, Any] | None,
-        target_embed_weight: Tensor,
-        speculative_tokens: int,
-        verifier: str | None,
+        self, fmt: str, out_dir: Path, target: ExportTarget, *, k: int, verifier: str | None
     ) -> Path:
         if fmt == "eagle3":
             return export_eagle3(
                 self,
-                target_config,
+                target.config,
                 out_dir,
-                target_identity=target_identity,
-                target_embed_weight=target_embed_weight,
+                target_identity=target.identity,
+                target_embed_weight=target.embed_weight,
             )
         if verifier is None:
             raise ValueError("a speculators export names its verifier: pass verifier")
         return export_speculators(
             self,
-            target_config,
+            target.config,
             out_dir,
             verifier_name_or_path=verifier,
-            speculative_tokens=speculative_tokens,
-            target_identity=target_identity,
-            target_embed_weight=target_embed_weight,
+            speculative_tokens=k,
+            target_identity=target.identity,
+            target_embed_weight=target.embed_weight,
         )
 
     @classmethod

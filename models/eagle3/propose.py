@@ -25,7 +25,6 @@ from torch import Tensor
 
 from models.drafter import (
     ChainShape,
-    CommittedRows,
     Proposal,
     Replayed,
     Shape,
@@ -33,6 +32,7 @@ from models.drafter import (
     confident_length,
 )
 from models.eagle3.model import Eagle3Model
+from models.features import Features, replay_inputs
 from models.kv import KVCache, extend_mask, trim_slots
 
 
@@ -59,7 +59,7 @@ class Eagle3Proposer:
         self.cache.select_rows(rows)
         self.valid = trim_slots(self.valid[rows], self.cache)
 
-    def propose(self, rows: CommittedRows, budget: Tensor) -> Proposal:
+    def propose(self, rows: Features, budget: Tensor) -> Proposal:
         if self.valid is None:
             self.valid = torch.zeros(len(rows.ids), 0, dtype=torch.bool, device=rows.ids.device)
             self.to_target = self.to_target.to(rows.ids.device)
@@ -244,8 +244,7 @@ def _expand(logits: Tensor, temperature: float, k: int) -> tuple[Tensor, Tensor,
 @torch.no_grad()
 def replay_drafts(
     drafter: Eagle3Model,
-    aux_hidden: Tensor,
-    input_ids: Tensor,
+    features: Features,
     anchors: Tensor,
     k: int,
     *,
@@ -254,25 +253,15 @@ def replay_drafts(
 ) -> Replayed:
     """Draft K tokens from each anchor e of one sequence, as the decoder would from prefix y<e.
 
-    aux_hidden [T, 3H_t] (target features of the sequence), input_ids [T], anchors [C] with
+    features: ids [T], aux [T, 3H_t] (target features of the sequence); anchors [C] with
     2 <= e <= T (repeat an anchor for several samples). One drafter pass runs the prefix rows
     0..max(e)-2; chain c starts at row e_c - 2 and each later step runs all C chains as one
     forward whose mask lets chain c see the prefix rows <= e_c - 2 and its own earlier chain keys.
     T=0 drafts the argmax, T>0 samples q = softmax(logits / T) with `generator`.
     """
     device = drafter.fc.weight.device
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)  # [T]
-    anchors = torch.as_tensor(anchors, dtype=torch.long, device=device).reshape(-1)  # [C]
-    T, C = ids.numel(), anchors.numel()
-    if aux_hidden.shape[0] != T:
-        raise ValueError(f"aux_hidden has {aux_hidden.shape[0]} rows for {T} tokens")
-    if C == 0 or k < 1:
-        raise ValueError(f"need at least one anchor and k >= 1, got {C} anchors and k={k}")
-    if int(anchors.min()) < 2 or int(anchors.max()) > T:
-        raise ValueError(
-            f"anchors must lie in [2, {T}] (anchor e needs drafter row e-2 and token e-1), "
-            f"got {anchors.min().item()}..{anchors.max().item()}"
-        )
+    ids, aux_hidden, anchors = replay_inputs(features, anchors, k, device)
+    C = anchors.numel()
     vocab = drafter.vocab
 
     rows = anchors - 2  # [C]

@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from models.acceptance import AcceptanceStats
 from models.eagle3.model import Eagle3Model, shift_left, ttt_unroll
+from models.features import Features
 from models.losses import (
     acceptance_rate,
     ce_rollout_loss,
@@ -37,8 +38,7 @@ class Unrolled:
 
 def unrolled(
     drafter: Eagle3Model,
-    aux_hidden: Tensor,
-    input_ids: Tensor,
+    features: Features,
     loss_mask: Tensor | None,
     steps: int,
     replays: tuple[Tensor, Tensor, Tensor] | None = None,
@@ -46,6 +46,7 @@ def unrolled(
     """`ttt_unroll` over every row; with replays (item [N], anchor [N], tokens [N, K]) the row
     e-2 of each anchor e reads the replayed drafts at steps >= 1 instead of ground truth, so
     that row is exactly the chain the decoder drafted from the prefix y<e."""
+    aux_hidden, input_ids = features.aux, features.ids
     step_tokens = None
     if replays is not None:
         item, anchor, tokens = replays
@@ -59,33 +60,6 @@ def unrolled(
         drafter, aux_hidden, input_ids, steps=steps, step_tokens=step_tokens, loss_mask=loss_mask
     )
     return Unrolled([s.logits for s in out], [s.valid for s in out], [s.hidden_out for s in out])
-
-
-class SFTUnroll(nn.Module):
-    """The whole training-time-test unroll as one forward, so DDP sees one forward per backward."""
-
-    def __init__(self, drafter: Eagle3Model, steps: int):
-        super().__init__()
-        self.drafter = drafter
-        self.steps = steps
-
-    def forward(self, aux_hidden: Tensor, input_ids: Tensor, loss_mask: Tensor) -> Unrolled:
-        return unrolled(self.drafter, aux_hidden, input_ids, loss_mask, self.steps)
-
-
-class OPDUnrolls(nn.Module):
-    """A Draft-OPD step's unrolls (the replays', and the CE anchor's batch) as one forward.
-    Each unroll is (aux_hidden, input_ids, loss_mask, replays or None, steps)."""
-
-    def __init__(self, drafter: Eagle3Model):
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, *unrolls: tuple) -> list[Unrolled]:
-        return [
-            unrolled(self.drafter, aux, ids, mask, steps, replays)
-            for aux, ids, mask, replays, steps in unrolls
-        ]
 
 
 def objective_loss(

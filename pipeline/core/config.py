@@ -8,12 +8,14 @@ fields that cannot change the output (progress bars, log levels) are declared wi
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from models.drafters import DEFAULT_KIND, KINDS
+from models.kind import OMITTED_WHEN_NONE, KindSettings
 
 _RUNTIME = "opd_runtime_only"
-_UNSET_OMITTED = "opd_omitted_when_none"
 
 
 class StrictConfig(BaseModel):
@@ -31,7 +33,7 @@ def runtime_field(default: Any, description: str) -> Any:
 def optional_field(description: str) -> Any:
     """An opt-in setting (default None) that is part of the version only when set, so adding it
     to a config leaves every dataset version computed without it unchanged."""
-    return Field(None, description=description, json_schema_extra={_UNSET_OMITTED: True})
+    return Field(None, description=description, json_schema_extra={OMITTED_WHEN_NONE: True})
 
 
 def version_dict(cfg: BaseModel) -> dict[str, Any]:
@@ -42,7 +44,7 @@ def version_dict(cfg: BaseModel) -> dict[str, Any]:
         extra = field.json_schema_extra
         value = getattr(cfg, name)
         if isinstance(extra, dict) and (
-            extra.get(_RUNTIME) or (extra.get(_UNSET_OMITTED) and value is None)
+            extra.get(_RUNTIME) or (extra.get(OMITTED_WHEN_NONE) and value is None)
         ):
             continue
         out[name] = _jsonable(value)
@@ -86,50 +88,37 @@ class DraftTree(StrictConfig):
         return self
 
 
-MAX_BLOCK_SIZE = 128
-"""A DFlash block's static bound: 8x the largest block the public DFlash recipes train (8-16),
-since a block's training activations and attention grow with it at every anchor (a block of
-100,000 grew the process to 17 GB before it was killed); the target's positions bound it too."""
-
-
-class DrafterConfig(StrictConfig):
-    """Which drafter kind a run trains, and that kind's own settings (each None = the kind's
-    default, documented where the kind defines it: models/dflash/model.py)."""
-
-    kind: Literal["eagle3", "dflash"] = "eagle3"
-    """eagle3: one layer drafting a chain, a forward per draft; dflash: a block drafted in one
-    forward (models/dflash)."""
-    # The bounds are checked before any work (the upper ones that depend on the target, as the
-    # target's positions, layers and vocab, by `Drafter.check_settings` when the target loads).
-    block_size: Annotated[int, Field(ge=2, le=MAX_BLOCK_SIZE)] | None = optional_field(
-        "dflash: anchor + drafted slots per block (>= 2)"
-    )
-    layers: Annotated[int, Field(ge=1)] | None = optional_field("dflash: decoder layers")
-    anchors: Annotated[int, Field(ge=1)] | None = optional_field(
-        "dflash: training anchors per sequence (at most)"
-    )
-    mask_token_id: Annotated[int, Field(ge=0)] | None = optional_field(
-        "dflash: the mask slots' token id (default: the target's pad token, else its last id)"
-    )
-    head: Literal["draft", "target"] | None = optional_field(
-        "dflash: draft (default), a trained head over the features' draft vocab; target, the "
-        "target's own lm_head, frozen, over the full vocab"
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> DrafterConfig:
-        given = sorted(k for k, v in self.settings().items() if v is not None)
-        if self.kind == "eagle3" and given:
+def _one_kind_settings(data: Any) -> Any:
+    """Name the kind a setting belongs to when it is given for another (an extra key would
+    only say it is not permitted)."""
+    if not isinstance(data, dict):
+        return data
+    spec = KINDS.get(data.get("kind", DEFAULT_KIND))
+    if spec is None:
+        return data  # the union names the kinds there are
+    for key in sorted(set(data) - set(spec.settings.model_fields)):
+        owner = next((s for s in KINDS.values() if key in s.settings.model_fields), None)
+        if owner is not None:
             raise ValueError(
-                f"drafter.{given[0]} is a DFlash setting; EAGLE-3 drafters size themselves from "
-                "the target (drop it or set drafter.kind=dflash)"
+                f"drafter.{key} is a {owner.title} setting; {spec.title} drafters do not take "
+                f"it (drop it or set drafter.kind={owner.name})"
             )
-        return self
+    return data
 
-    def settings(self) -> dict[str, Any]:
-        """The kind's settings that were set (what `Drafter.new` takes)."""
-        names = ("block_size", "layers", "anchors", "mask_token_id", "head")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+DrafterConfig = Annotated[
+    Union[tuple(spec.settings for spec in KINDS.values())],  # noqa: UP007 (built at runtime)
+    Field(discriminator="kind"),
+    BeforeValidator(_one_kind_settings),
+]
+"""Which drafter kind a run trains, and that kind's own settings: the union of the registered
+kinds' settings models (`models.kind.KindSettings`) on `kind`, so a kind's settings are
+declared once, in its package."""
+
+
+def default_drafter() -> KindSettings:
+    """The `drafter` section when none is given: the default kind with its defaults."""
+    return KINDS[DEFAULT_KIND].settings()
 
 
 def _jsonable(value: Any) -> Any:

@@ -21,7 +21,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from models.drafters import drafter_class
+from models.drafter import ExportTarget
+from models.drafters import kind_spec
 from models.export import ExportError, round_trip_diff, write_export
 from pipeline.core.drafters import check_drafting_depth, drafter_kind, load_drafter_dataset
 from pipeline.core.targets import EMBEDDED_TARGET, TargetLoader, in_process
@@ -74,14 +75,6 @@ def default_verifier(loader: TargetLoader) -> tuple[str, str | None]:
         f"the speculators config names the verifier by this machine's path {directory}; pass "
         "--verifier ORG/NAME (its hub name) or the path it will have where vLLM runs"
     )
-
-
-TREE_NOTE = (
-    "vLLM serves this EAGLE-3 drafter as a chain of num_speculative_tokens drafts; its only tree "
-    "setting is a static speculative_token_tree (fixed shape, top-k per level, TREE_ATTN "
-    "attention backend on GPU), not the dynamic EAGLE-2 trees of drafting.tree (docs/drafters.md: "
-    "draft trees)"
-)
 
 
 def vllm_command(target_dir: str, export_dir: Path, k: int, method: str) -> str:
@@ -331,6 +324,15 @@ def verify_export(export_dir: Path) -> int:
     return len(_listed_files(export_dir / CHECKSUMS_FILE))
 
 
+def export_formats(drafter_ds: Dataset) -> tuple[str, ...]:
+    """The formats the drafter in `drafter_ds` exports as (its kind's; the first the default),
+    refusing a kind that is not served."""
+    spec = kind_spec(drafter_kind(drafter_ds))
+    if not spec.export_formats:
+        raise OpdError(f"{drafter_ds.ref} holds a {spec.name} drafter, which exports nothing")
+    return spec.export_formats
+
+
 def export_drafter(
     drafter_ds: Dataset,
     loader: TargetLoader,
@@ -347,7 +349,7 @@ def export_drafter(
     if k < 1:
         raise OpdError(f"--k must be >= 1 (tokens drafted per step), got {k}")
     check_drafting_depth(drafter_ds, k)  # vLLM would draft the offsets it never learned
-    formats = drafter_class(drafter_kind(drafter_ds)).export_formats
+    formats = export_formats(drafter_ds)
     fmt = fmt or formats[0]
     if fmt not in formats:
         raise OpdError(
@@ -366,16 +368,8 @@ def export_drafter(
         target = loader.target
         drafter = load_drafter_dataset(drafter_ds, target, loader.identity)
         try:
-            write_export(
-                drafter,
-                fmt,
-                staging,
-                target_config=target.config,
-                target_identity=loader.identity,
-                target_embed_weight=target.embed_weight,
-                speculative_tokens=k,
-                verifier=verifier,
-            )
+            serves = ExportTarget(target.config, loader.identity, target.embed_weight)
+            write_export(drafter, fmt, staging, serves, k=k, verifier=verifier)
             diff = round_trip_diff(drafter, staging, target.embed_weight)
         except ExportError as e:
             raise OpdError(f"export of {drafter_ds.ref} refused: {e}") from None
@@ -393,10 +387,9 @@ def export_drafter(
         "max_logit_diff": diff,
         "num_speculative_tokens": drafter.served_tokens(k),
         "vllm_command": vllm_command(
-            _serve_dir(loader), path, drafter.served_tokens(k), drafter.serve_method
+            _serve_dir(loader), path, drafter.served_tokens(k), drafter.spec.serve_method
         ),
-        # only EAGLE-3 has draft trees to speak of; a block drafter drafts its whole block
-        "tree_note": TREE_NOTE if drafter.serve_method == "eagle3" else None,
+        "tree_note": drafter.spec.tree_note,  # only a kind that drafts trees has one
         "warnings": warnings,
     }
 
@@ -407,7 +400,7 @@ def ensure_export(
     """The drafter's export under <root>/_exports/<NAME-VERSION>/<fmt> (the full chain's place;
     `fmt` None: its kind's first format), written now unless a complete one is there (its
     checksums are checked: one that fails them is written again, with a warning)."""
-    fmt = fmt or drafter_class(drafter_kind(drafter_ds)).export_formats[0]
+    fmt = fmt or export_formats(drafter_ds)[0]
     path = root / EXPORTS_DIR / str(drafter_ds.ref).replace("@", "-") / fmt
     if path.exists():
         problem = export_problem(path)

@@ -16,6 +16,9 @@ from typing import Any
 from pipeline.core.config import StrictConfig
 from storage import Dataset, OpdError
 
+Inputs = dict[str, Dataset]
+"""The datasets a stage's `run(cfg, inputs, output, rank, world_size, ctx)` reads, by role."""
+
 DRAFTER_DATASETS = ("sft", "opd")
 """Dataset names that hold a trained drafter (what a `drafter` role reads)."""
 

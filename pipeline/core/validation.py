@@ -5,6 +5,7 @@ columns both log on sequences neither trains on."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from models.acceptance import AcceptanceStats
 from models.drafter import Drafter
+from models.features import Features
 from models.losses import teacher_draft_probs
 from pipeline.core import training
 from pipeline.core.trainer import TrainConfig, autocast
@@ -24,6 +26,11 @@ def to_device(batch: training.PaddedBatch, device: torch.device) -> dict[str, Te
     cols = {k: v.to(device, non_blocking=True) for k, v in batch.columns.items()}
     cols["loss_mask"] = cols["loss_mask"].bool()
     return cols
+
+
+def features_of(cols: Mapping[str, Tensor]) -> Features:
+    """A batch of feature columns as the drafter's features record (sequence convention)."""
+    return Features(cols["input_ids"], cols["aux_hidden"], cols.get("last_hidden"))
 
 
 @torch.no_grad()
@@ -53,7 +60,7 @@ def validate(
             target_logits = target.teacher(b["last_hidden"], vocab, [temperature])  # [B, T, V]
             teacher = teacher_draft_probs(target_logits, vocab, temperature)
             with autocast(device, bf16):
-                out = drafter.unroll(b["aux_hidden"], b["input_ids"], b["loss_mask"], ttt_steps)
+                out = drafter.unroll(features_of(b), b["loss_mask"], ttt_steps)
             loss = drafter.sft_loss(
                 out, teacher, b["last_hidden"], decay=step_decay, objective=objective
             )

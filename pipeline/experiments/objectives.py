@@ -33,6 +33,7 @@ from typing import Any
 
 import polars as pl
 
+from models.drafters import DEFAULT_KIND, KINDS
 from pipeline import chains
 from pipeline.core.drafters import METRICS_FILE
 from pipeline.core.report import md_table
@@ -43,9 +44,9 @@ from storage import Dataset, OpdError
 
 log = logging.getLogger("opd")
 
-OBJECTIVES = ("eagle3", "eagle1")
-LABELS = {"eagle3": "EAGLE-3 (training-time test)", "eagle1": "EAGLE-1 (L_reg + 0.1 CE)"}
-COLORS = {"eagle3": "tab:blue", "eagle1": "tab:orange"}
+LABELS = dict(KINDS[DEFAULT_KIND].objectives)  # the default kind's own objective first
+OBJECTIVES = tuple(LABELS)
+COLORS = dict(zip(OBJECTIVES, ("tab:blue", "tab:orange"), strict=True))
 TEMPERATURES = (0.0, 1.0)
 MATCHED = (
     "same optimizer steps over the same token rows in the same order (features, sft steps or "
@@ -57,7 +58,7 @@ REPORT_STAGE, REPORT_VERSION = "experiment-objectives", "1"
 def sft_config(cfg: PipelineConfig, objective: str, seed: int) -> sft.Config:
     """The sft config of one run: the profile's, with this seed and objective. EAGLE-1 trains one
     step, so the TTT step weighting is left at its default (it would refuse another)."""
-    if objective == "eagle3":
+    if objective == OBJECTIVES[0]:
         return cfg.sft.model_copy(update={"seed": seed})
     return sft.Config.model_validate(
         cfg.sft.model_dump()

@@ -34,7 +34,7 @@ from pipeline.core.checks import check_same_target
 from pipeline.core.config import StrictConfig
 from pipeline.core.report import figure, md_table, png
 from pipeline.core.runner import RunContext, StageResult
-from pipeline.core.stage import Stage
+from pipeline.core.stage import Inputs, Stage
 from storage import Dataset, DatasetWriter, OpdError, Store
 
 log = logging.getLogger("opd")
@@ -553,12 +553,7 @@ def _check_roles(inputs: dict[str, Dataset]) -> list[Dataset]:
 
 
 def run(
-    cfg: Config,
-    inputs: dict[str, Dataset],
-    output: DatasetWriter,
-    rank: int,
-    world_size: int,
-    ctx: RunContext,
+    cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
     if world_size != 1:
         raise OpdError("analyze runs as one worker; use world_size=1")

@@ -49,6 +49,7 @@ from models.decoding import (
     depth_alpha,
     target_generate,
 )
+from models.drafter import ServableDrafter
 from pipeline.core.config import (
     DraftTree,
     StopConfidence,
@@ -59,7 +60,7 @@ from pipeline.core.config import (
 from pipeline.core.decoders import check_tree_setting, decoder
 from pipeline.core.drafters import check_drafting_depth, load_drafter_dataset
 from pipeline.core.runner import RunContext
-from pipeline.core.stage import DRAFTER_DATASETS, Stage
+from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from pipeline.core.targets import resolve_dtype
 from storage import Dataset, DatasetWriter, OpdError
 
@@ -358,12 +359,7 @@ def _decode(
 
 
 def run(
-    cfg: Config,
-    inputs: dict[str, Dataset],
-    output: DatasetWriter,
-    rank: int,
-    world_size: int,
-    ctx: RunContext,
+    cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
     if cfg.tree is not None and cfg.backend == "vllm":
         raise OpdError(
@@ -374,6 +370,8 @@ def run(
     check_drafting_depth(inputs["drafter"], cfg.k if cfg.tree is None else cfg.tree.depth)
     target = ctx.target_loader.target
     drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity)
+    if cfg.backend == "vllm" and not isinstance(drafter, ServableDrafter):
+        raise OpdError(f"evaluate.backend=vllm: a {drafter.kind} drafter is not served by vLLM")
     if cfg.backend == "vllm" and (served := drafter.served_tokens(cfg.k)) != cfg.k:
         raise OpdError(
             f"vLLM serves this {drafter.kind} drafter with {served} drafted tokens per step, not "
@@ -401,7 +399,13 @@ def run(
     stats = summarize(out, cfg, len(prompts))
     if cfg.backend == "vllm":
         stats |= vllm_stats(
-            cfg, inputs["drafter"], drafter.serve_method, ctx, prompts, out.sequences, stats["tau"]
+            cfg,
+            inputs["drafter"],
+            drafter.spec.serve_method,
+            ctx,
+            prompts,
+            out.sequences,
+            stats["tau"],
         )
     if cfg.untrained_contrast:
         quick = cfg.model_copy(update={"measure_baseline": False})

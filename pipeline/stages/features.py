@@ -37,7 +37,7 @@ from pipeline.core.checks import VOCAB_FILE, check_same_target
 from pipeline.core.config import StrictConfig, optional_field
 from pipeline.core.featurize import ONLINE, feature_schema, forward_batch, token_schema
 from pipeline.core.runner import RunContext
-from pipeline.core.stage import Stage
+from pipeline.core.stage import Inputs, Stage
 from storage import Dataset, DatasetWriter, OpdError, tensor_array
 
 
@@ -88,12 +88,7 @@ def token_counts(trajectories: Dataset, vocab_size: int) -> torch.Tensor:
 
 
 def run(
-    cfg: Config,
-    inputs: dict[str, Dataset],
-    output: DatasetWriter,
-    rank: int,
-    world_size: int,
-    ctx: RunContext,
+    cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
     traj = inputs["trajectories"]
     target = ctx.target_loader.target

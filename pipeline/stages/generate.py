@@ -30,9 +30,9 @@ from models import vllm_engine
 from pipeline.core.config import StrictConfig, runtime_field
 from pipeline.core.prompt_sets import select_prompts
 from pipeline.core.runner import RunContext
-from pipeline.core.stage import Stage
+from pipeline.core.stage import Inputs, Stage
 from pipeline.core.targets import resolve_dtype
-from storage import Dataset, DatasetWriter, OpdError
+from storage import DatasetWriter, OpdError
 
 SCHEMA = pa.schema(
     [
@@ -125,12 +125,7 @@ def generate_batch(
 
 
 def run(
-    cfg: Config,
-    inputs: dict[str, Dataset],
-    output: DatasetWriter,
-    rank: int,
-    world_size: int,
-    ctx: RunContext,
+    cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
     prompts = select_prompts(inputs["prompts"], cfg.split, cfg.max_prompts)
     jobs = [(p, s) for p in prompts for s in range(cfg.samples_per_prompt)]

@@ -66,8 +66,9 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from models import verify
-from models.drafter import Drafter
-from models.drafters import drafter_class
+from models.drafter import Drafter, TrainableDrafter, require
+from models.drafters import drafter_class, kind_spec
+from models.features import Features
 from models.losses import (
     ReplayLoss,
     acceptance_rate,
@@ -90,7 +91,7 @@ from pipeline.core.drafters import (
 )
 from pipeline.core.featurize import is_online
 from pipeline.core.runner import RunContext
-from pipeline.core.stage import DRAFTER_DATASETS, Stage
+from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from pipeline.core.trainer import METRICS_SCHEMA as TRAIN_METRICS_SCHEMA
 from pipeline.core.trainer import StepOutput, TrainConfig, Trainer, TrainResult, autocast
 from storage import Dataset, DatasetWriter, OpdError, read_tensor_column
@@ -215,6 +216,11 @@ class ReplayBatch:
 
     def to(self, device: torch.device) -> ReplayBatch:
         return self._map(lambda t: t.to(device, non_blocking=True))
+
+    @property
+    def features(self) -> Features:
+        """The items as the drafter's features record (sequence convention)."""
+        return Features(self.input_ids, self.aux_hidden, self.last_hidden)
 
     def pin_memory(self) -> ReplayBatch:
         """A page-locked copy, so `to(cuda)` copies asynchronously."""
@@ -435,9 +441,7 @@ def validate_replays(
         for batch in batches:
             b = batch.to(device)
             with autocast(device, cfg.bf16):
-                out = drafter.unroll(
-                    b.aux_hidden, b.input_ids, None, K, replays=(b.item, b.anchor, b.tokens)
-                )
+                out = drafter.unroll(b.features, None, K, replays=(b.item, b.anchor, b.tokens))
             logits = drafter.replay_logits(out, b.item, b.anchor)  # [N, K, Vd]
             target_logits = target.teacher(b.teacher_hidden, vocab, [cfg.temperature])  # [N, K, V]
             accepted, mask = replay_outcomes(
@@ -507,9 +511,13 @@ def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> Non
         if ds is not None:
             check_same_target(ds, ctx.target_loader.identity)
     kind = drafter_kind(source)
+    try:
+        require(drafter_class(kind), TrainableDrafter, "be trained on replays")
+    except ValueError as e:
+        raise OpdError(f"{source.ref}: {e}") from None
     for data in (rollouts, replays):
         check_drafter_kind(data, kind, str(source.ref))
-    if drafter_class(kind).drafts_blocks and (error := block_loss_error(cfg.loss, cfg.positions)):
+    if kind_spec(kind).drafts_blocks and (error := block_loss_error(cfg.loss, cfg.positions)):
         raise OpdError(f"{source.ref} is a {kind} drafter: {error}")
     check_made_by(rollouts, source)
     check_made_by(replays, source)
@@ -671,10 +679,10 @@ def replay_step(
     accepted, mask = replay_outcomes(b.accept_prob, b.replay_length, cfg.positions, generator)
     with torch.no_grad():
         target_logits = target.teacher(b.teacher_hidden, vocab, [cfg.temperature])  # [N, K, V]
-    unrolls = [(b.aux_hidden, b.input_ids, b.loss_mask, (b.item, b.anchor, b.tokens), K)]
+    unrolls = [(b.features, b.loss_mask, (b.item, b.anchor, b.tokens), K)]
     if anchor_batch is not None:
         fb = validation.to_device(anchor_batch, device)
-        unrolls.append((fb["aux_hidden"], fb["input_ids"], fb["loss_mask"], None, cfg.ce_ttt_steps))
+        unrolls.append((validation.features_of(fb), fb["loss_mask"], None, cfg.ce_ttt_steps))
     with autocast(device, cfg.bf16):
         outs = model(*unrolls)
     logits = drafter.replay_logits(outs[0], b.item, b.anchor)  # [N, K, Vd]
@@ -793,12 +801,7 @@ def _trainer(
 
 
 def run(
-    cfg: Config,
-    inputs: dict[str, Dataset],
-    output: DatasetWriter,
-    rank: int,
-    world_size: int,
-    ctx: RunContext,
+    cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
     replays, rollouts, source = inputs["replays"], inputs["rollouts"], inputs["drafter"]
     identity = ctx.target_loader.identity

@@ -77,8 +77,8 @@ from pipeline.core.featurize import feature_schema, forward_batch
 from pipeline.core.prompt_sets import select_prompts
 from pipeline.core.rollouts import TEACHER_FORMAT, shard_files, teacher_file
 from pipeline.core.runner import RunContext
-from pipeline.core.stage import DRAFTER_DATASETS, Stage
-from storage import Dataset, DatasetWriter, tensor_array, tensor_field
+from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
+from storage import DatasetWriter, tensor_array, tensor_field
 
 log = logging.getLogger("opd")
 
@@ -464,12 +464,7 @@ def first_prompt(cfg: Config) -> int:
 
 
 def run(
-    cfg: Config,
-    inputs: dict[str, Dataset],
-    output: DatasetWriter,
-    rank: int,
-    world_size: int,
-    ctx: RunContext,
+    cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
     prompts = select_prompts(
         inputs["prompts"], cfg.split, cfg.max_prompts, first_prompt(cfg)

@@ -72,7 +72,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from models import verify
-from models.drafter import Drafter
+from models.drafter import Drafter, TrainableDrafter, require
+from models.features import Features
 from models.target import Target
 from pipeline.core.checks import (
     VOCAB_FILE,
@@ -85,7 +86,7 @@ from pipeline.core.config import DraftTree, StrictConfig, optional_field
 from pipeline.core.drafters import drafter_kind, load_drafter_dataset
 from pipeline.core.rollouts import shard_files, teacher_file
 from pipeline.core.runner import RunContext
-from pipeline.core.stage import DRAFTER_DATASETS, Stage
+from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from storage import (
     Dataset,
     DatasetWriter,
@@ -204,14 +205,14 @@ def select_anchors(
 
 def score_sequence(
     target: Target,
-    drafter: Drafter,
-    input_ids: list[int],
-    aux_hidden: Tensor,
+    drafter: TrainableDrafter,
+    features: Features,
     anchors: list[int],
     cfg: Config,
     generator: torch.Generator,
 ) -> dict[str, Any]:
-    """Replay every anchor x sample of one sequence and score all of it in one target forward.
+    """Replay every anchor x sample of one sequence (features: its ids [T], aux [T, F] and last
+    hidden states [T, H]) and score all of it in one target forward.
 
     Returns per replay (anchor-major, then sample): tokens, logq, p_token, accept_prob,
     reach_prob [R, K], length [R] and teacher_hidden [R, K, H] (bf16).
@@ -219,13 +220,9 @@ def score_sequence(
     n = cfg.samples
     starts = torch.tensor(anchors, dtype=torch.long).repeat_interleave(n)  # [R]
     chains = drafter.replay(
-        aux_hidden,
-        torch.tensor(input_ids),
-        starts,
-        cfg.depth,
-        temperature=cfg.temperature,
-        generator=generator,
+        features, starts, cfg.depth, temperature=cfg.temperature, generator=generator
     )
+    input_ids = features.ids.tolist()
     tokens = chains.tokens.to(target.device)  # [R, K]
     scores = target.score_tree(
         input_ids,
@@ -288,6 +285,7 @@ def score_shard(
         aux, offsets = read_tensor_column(
             batch.column("aux_hidden"), batch.schema.field("aux_hidden")
         )
+        last, _ = read_tensor_column(batch.column("last_hidden"), batch.schema.field("last_hidden"))
         for r, (seq_id, ids) in enumerate(
             zip(
                 batch.column("seq_id").to_pylist(),
@@ -301,15 +299,9 @@ def score_shard(
             if not anchors:
                 continue
             gen = torch.Generator(device=target.device).manual_seed(_seed_of(cfg.seed + 1, seq_id))
-            out = score_sequence(
-                target,
-                drafter,
-                ids,
-                aux[offsets[r] : offsets[r + 1]],
-                [e for e, _ in anchors],
-                cfg,
-                gen,
-            )
+            rows = slice(offsets[r], offsets[r + 1])
+            features = Features(torch.tensor(ids), aux[rows], last[rows])
+            out = score_sequence(target, drafter, features, [e for e, _ in anchors], cfg, gen)
             reps = len(anchors) * cfg.samples
             cols["seq_id"] += [seq_id] * reps
             cols["shard"] += [feat_shard] * reps
@@ -452,17 +444,16 @@ def check_logged(cfg: Config, rollouts: Dataset) -> None:
 
 
 def run(
-    cfg: Config,
-    inputs: dict[str, Dataset],
-    output: DatasetWriter,
-    rank: int,
-    world_size: int,
-    ctx: RunContext,
+    cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
     rollouts, drafter_ds = inputs["rollouts"], inputs["drafter"]
     identity = ctx.target_loader.identity
     target = ctx.target_loader.target
     drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
+    try:
+        require(drafter, TrainableDrafter, "replay drafts for Draft-OPD")
+    except ValueError as e:
+        raise OpdError(f"{drafter_ds.ref}: {e}") from None
     check_drafter_vocab(rollouts, drafter, str(drafter_ds.ref))
     if rank == 0 and not output.has_shard(VOCAB_FILE):
         output.write_file(VOCAB_FILE, rollouts.file(VOCAB_FILE))

@@ -42,13 +42,14 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
-from models.drafter import Drafter
-from models.drafters import drafter_class, recorded_settings
+from models.drafter import Drafter, TrainableDrafter, require
+from models.drafters import KINDS, drafter_class, recorded_settings
+from models.kind import KindSettings
 from models.losses import teacher_draft_probs
 from models.vocab import DraftVocab
 from pipeline.core import training
 from pipeline.core.checks import check_drafter_vocab, check_same_target, check_same_vocab, vocab_of
-from pipeline.core.config import DrafterConfig, optional_field
+from pipeline.core.config import DrafterConfig, default_drafter, optional_field
 from pipeline.core.drafters import (
     check_continued_drafter,
     check_drafter_settings,
@@ -58,7 +59,7 @@ from pipeline.core.drafters import (
 )
 from pipeline.core.featurize import is_online
 from pipeline.core.runner import RunContext
-from pipeline.core.stage import DRAFTER_DATASETS, Stage
+from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from pipeline.core.trainer import (
     METRICS_SCHEMA,
     StepOutput,
@@ -69,6 +70,7 @@ from pipeline.core.trainer import (
 )
 from pipeline.core.validation import (
     FEATURE_COLUMNS,
+    features_of,
     heldout_loader,
     to_device,
     validate,
@@ -88,7 +90,9 @@ SUMMARY_KEYS = (  # of the trainer's summary
 
 log = logging.getLogger("opd")
 
-Objective = Literal["eagle3", "eagle1"]
+# Every registered kind's SFT objectives; each kind's first is its default (the same as unset).
+Objective = Literal[tuple(dict.fromkeys(o for k in KINDS.values() for o in k.objectives))]
+DEFAULT_OBJECTIVES = {next(iter(k.objectives)) for k in KINDS.values() if k.objectives}
 DEFAULT_STEP_DECAY = 0.8
 
 
@@ -119,14 +123,14 @@ class Config(TrainConfig):
 
     @field_validator("objective")
     @classmethod
-    def _eagle3_is_unset(cls, value: str | None) -> str | None:
+    def _default_objective_is_unset(cls, value: str | None) -> str | None:
         # Naming the default explicitly must give the default's version.
-        return None if value == "eagle3" else value
+        return None if value in DEFAULT_OBJECTIVES else value
 
     @field_validator("drafter")
     @classmethod
-    def _default_drafter_is_unset(cls, value: DrafterConfig | None) -> DrafterConfig | None:
-        return None if value == DrafterConfig() else value
+    def _default_drafter_is_unset(cls, value: KindSettings | None) -> KindSettings | None:
+        return None if value == default_drafter() else value
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -134,8 +138,7 @@ class Config(TrainConfig):
             raise ValueError(f"tau_k ({self.tau_k}) cannot exceed ttt_steps ({self.ttt_steps})")
         if self.steps is None and self.epochs is None:
             raise ValueError("set either steps or epochs")
-        if self.drafter is not None and self.drafter.kind != "eagle3":
-            self._check_kind(self.drafter)
+        self._check_kind(self.drafter or default_drafter())
         if self.objective == "eagle1" and self.step_decay != DEFAULT_STEP_DECAY:
             raise ValueError(
                 f"sft.step_decay ({self.step_decay}) weights training-time-test steps, which "
@@ -143,17 +146,18 @@ class Config(TrainConfig):
             )
         return self
 
-    def _check_kind(self, drafter: DrafterConfig) -> None:
-        depth = drafter_class(drafter.kind).max_draft_depth(drafter.settings())
+    def _check_kind(self, drafter: KindSettings) -> None:
+        depth = drafter.max_draft_depth()
         if depth is not None and self.ttt_steps > depth:
             raise ValueError(
                 f"drafting.ttt_steps ({self.ttt_steps}) trained offsets do not fit a "
                 f"{drafter.kind} drafter drafting {depth} per step; raise drafter.block_size or "
                 "lower drafting.ttt_steps"
             )
-        if self.objective is not None:
+        spec = KINDS[drafter.kind]
+        if self.objective is not None and self.objective not in spec.objectives:
             raise ValueError(
-                f"sft.objective={self.objective} is an EAGLE objective; unset it for a "
+                f"sft.objective={self.objective} is not a {spec.title} objective; unset it for a "
                 f"{drafter.kind} drafter"
             )
 
@@ -164,12 +168,13 @@ class Config(TrainConfig):
 
 
 def new_drafter(
-    target: Any, vocab: DraftVocab, seed: int, drafter: DrafterConfig | None = None
-) -> Drafter:
-    """A freshly initialised drafter of the configured kind (EAGLE-3 when None) for `target`
-    (deterministic in `seed`)."""
-    drafter = drafter or DrafterConfig()
+    target: Any, vocab: DraftVocab, seed: int, drafter: KindSettings | None = None
+) -> TrainableDrafter:
+    """A freshly initialised drafter of the configured kind (the default kind when None) for
+    `target` (deterministic in `seed`)."""
+    drafter = drafter or default_drafter()
     cls = drafter_class(drafter.kind)
+    require(cls, TrainableDrafter, "be trained")
     torch.manual_seed(seed)
     return cls.new(target, vocab, drafter.settings()).to(target.device)
 
@@ -185,7 +190,7 @@ def train_step(
         target_logits = target.teacher(b["last_hidden"], drafter.vocab, [cfg.temperature])
         teacher = teacher_draft_probs(target_logits, drafter.vocab, cfg.temperature)  # [B, T, Vd]
     with autocast(target.device, cfg.bf16):
-        (out,) = model((b["aux_hidden"], b["input_ids"], b["loss_mask"], None, cfg.unroll_depth))
+        (out,) = model((features_of(b), b["loss_mask"], None, cfg.unroll_depth))
     loss = drafter.sft_loss(
         out, teacher, b["last_hidden"], decay=cfg.step_decay, objective=cfg.objective
     )
@@ -202,13 +207,17 @@ def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> Non
     and settings and was built for the trained offsets; a fresh drafter's settings fit the
     target (a DFlash block longer than its positions would only fail, or exhaust memory,
     once training allocates it)."""
-    wanted = cfg.drafter or DrafterConfig()
+    wanted = cfg.drafter or default_drafter()
+    try:
+        require(drafter_class(wanted.kind), TrainableDrafter, "be trained")
+    except ValueError as e:
+        raise OpdError(str(e)) from None
     if "drafter" not in inputs:
         check_drafter_settings(wanted, ctx.target_loader.target)
         return
     source = inputs["drafter"]
     check_continued_drafter(source, wanted)
-    depth = drafter_class(wanted.kind).max_draft_depth(recorded_settings(source.path))
+    depth = KINDS[wanted.kind].settings_of(recorded_settings(source.path)).max_draft_depth()
     if depth is not None and cfg.ttt_steps > depth:
         raise OpdError(
             f"drafting.ttt_steps ({cfg.ttt_steps}) trained offsets do not fit {source.ref}, a "
@@ -222,7 +231,7 @@ def _starting_drafter(
     """A fresh drafter, or (continued SFT) the given one, which must use the features' map."""
     if "drafter" not in inputs:
         return new_drafter(target, vocab, cfg.seed, cfg.drafter)
-    kind = (cfg.drafter or DrafterConfig()).kind
+    kind = (cfg.drafter or default_drafter()).kind
     drafter = load_drafter_dataset(inputs["drafter"], target, ctx.target_loader.identity, kind=kind)
     check_drafter_vocab(inputs["features"], drafter, str(inputs["drafter"].ref))
     return drafter.to(target.device)
@@ -346,12 +355,7 @@ def _online_summary(
 
 
 def run(
-    cfg: Config,
-    inputs: dict[str, Dataset],
-    output: DatasetWriter,
-    rank: int,
-    world_size: int,
-    ctx: RunContext,
+    cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
     feats = inputs["features"]
     sources = [feats, *([inputs["more_features"]] if "more_features" in inputs else [])]

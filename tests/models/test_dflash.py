@@ -24,8 +24,9 @@ from models.dflash.model import (
     default_mask_token,
 )
 from models.dflash.train import block_loss, block_unroll, choose_anchors
-from models.drafter import ChainShape, CommittedRows, TreeShape
+from models.drafter import ChainShape, TreeShape
 from models.drafters import load_drafter, recorded_kind, recorded_settings, save_drafter
+from models.features import Features
 from models.losses import soft_cross_entropy, teacher_draft_probs
 from models.target import Target, load_target
 from models.vocab import DraftVocab
@@ -82,7 +83,7 @@ def fit_dflash(
     opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
     drafter.train()
     for _ in range(120):
-        unrolled = drafter.unroll(out.aux_hidden, ids, valid, block_size - 1)
+        unrolled = drafter.unroll(Features(ids, out.aux_hidden), valid, block_size - 1)
         loss = drafter.sft_loss(unrolled, teacher, out.last_hidden, decay=0.8)
         opt.zero_grad()
         loss.backward()
@@ -290,7 +291,7 @@ def test_training_blocks_equal_the_decoding_block(tiny_llama: Target):
         0, tiny_llama.vocab_size, (2, T), generator=torch.Generator().manual_seed(2)
     )
     aux = tiny_llama.forward(ids).aux_hidden
-    out = block_unroll(drafter, aux, ids, None, drafter.config.block_size - 1)
+    out = block_unroll(drafter, Features(ids, aux), None, drafter.config.block_size - 1)
     for row in range(2):
         for j in (0, 5, 11):
             a = int(out.anchors[row, j])
@@ -383,7 +384,7 @@ def test_training_raises_teacher_forced_acceptance(tiny_llama: Target, greedy_ca
     out = tiny_llama.forward(ids)
     taus = []
     for drafter in (fitted.untrained(), fitted):
-        unrolled = drafter.unroll(out.aux_hidden, ids, mask, 4)
+        unrolled = drafter.unroll(Features(ids, out.aux_hidden), mask, 4)
         taus.append(drafter.acceptance(unrolled, out.logits, chain_k=4).summary()["tau_chain"])
     assert taus[1] > taus[0] + 1.0, taus
 
@@ -396,7 +397,7 @@ def _proposed_block(drafter: DFlashDrafter, ids: Tensor, aux: Tensor, e: int, k:
     proposer = drafter.proposer(
         ChainShape(k), 0.0, torch.Generator(), lambda _: contextlib.nullcontext()
     )
-    rows = CommittedRows(
+    rows = Features(
         ids=ids[1:e][None],
         aux=aux[: e - 1][None],
         positions=torch.arange(e - 1)[None],
@@ -412,7 +413,7 @@ def test_replay_drafts_what_the_decoding_loop_drafts(tiny_llama: Target, greedy_
     ids = torch.tensor(prompts[0] + reference[0])
     aux = tiny_llama.forward(ids[None]).aux_hidden[0]
     anchors = torch.tensor([2, 7, 7, len(ids)])
-    out = fitted.replay(aux, ids, anchors, 3)
+    out = fitted.replay(Features(ids, aux), anchors, 3)
     assert out.tokens.shape == (4, 3) and torch.equal(out.logq, torch.zeros(4, 3))
     for c, e in enumerate(anchors.tolist()):
         assert torch.equal(out.tokens[c], _proposed_block(fitted, ids, aux, e, 3)), e
@@ -424,10 +425,11 @@ def test_sampled_replays_carry_their_log_q(tiny_llama: Target):
     ids = torch.randint(0, tiny_llama.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
     aux = tiny_llama.forward(ids[None]).aux_hidden[0]
     gen = torch.Generator().manual_seed(0)
-    out = drafter.replay(aux, ids, torch.tensor([4, 9]), 4, temperature=0.7, generator=gen)
+    out = drafter.replay(
+        Features(ids, aux), torch.tensor([4, 9]), 4, temperature=0.7, generator=gen
+    )
     blocks = drafter.unroll(
-        aux[None],
-        ids[None],
+        Features(ids[None], aux[None]),
         None,
         4,
         replays=(torch.zeros(2, dtype=torch.long), torch.tensor([4, 9]), out.tokens),
@@ -450,12 +452,15 @@ def test_unroll_with_replays_gives_each_replay_its_block(tiny_llama: Target, gre
     aux = tiny_llama.forward(ids).aux_hidden
     item, anchor = torch.tensor([1, 0, 1, 0]), torch.tensor([5, 3, 9, 12])
     tokens = torch.stack(
-        [fitted.replay(aux[i], ids[i], anchor[n : n + 1], 4).tokens[0] for n, i in enumerate(item)]
+        [
+            fitted.replay(Features(ids[i], aux[i]), anchor[n : n + 1], 4).tokens[0]
+            for n, i in enumerate(item)
+        ]
     )
-    out = fitted.unroll(aux, ids, None, 4, replays=(item, anchor, tokens))
+    out = fitted.unroll(Features(ids, aux), None, 4, replays=(item, anchor, tokens))
     logits = fitted.replay_logits(out, item, anchor)  # [R, K, Vd]
     assert torch.equal(fitted.vocab.to_target(logits.argmax(-1)), tokens)
-    plain = fitted.unroll(aux, ids, None, 4)
+    plain = fitted.unroll(Features(ids, aux), None, 4)
     assert torch.allclose(out.logits, plain.logits, atol=1e-5)
     assert torch.equal(out.valid, plain.valid)
     logits.sum().backward()

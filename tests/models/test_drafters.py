@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from models.drafter import Drafter
+from models.drafter import Drafter, ServableDrafter, TrainableDrafter
 from models.drafters import (
     CONFIG_FILE,
     KINDS,
@@ -25,11 +25,15 @@ def _drafter(target) -> Drafter:
     return drafter_class("eagle3").new(target, DraftVocab.from_counts(counts, 64), {})
 
 
-def test_every_kind_implements_the_whole_interface():
-    for kind, cls in KINDS.items():
-        assert cls.kind == kind and issubclass(cls, Drafter)
+def test_every_kind_describes_itself_and_implements_its_roles():
+    for kind, spec in KINDS.items():
+        cls = spec.drafter
+        assert spec.name == kind and cls.spec is spec and issubclass(cls, Drafter)
+        assert spec.settings().kind == kind  # its settings model is tagged with its name
         assert not getattr(cls, "__abstractmethods__", None), cls.__abstractmethods__
-        assert cls.export_formats
+        # the built-in kinds train and serve; a kind's formats say it exports
+        assert issubclass(cls, TrainableDrafter) and issubclass(cls, ServableDrafter)
+        assert spec.export_formats and spec.serve_method
 
 
 def test_a_checkpoint_records_its_kind_and_loading_checks_it(tiny_llama, tmp_path):

@@ -10,7 +10,9 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from pipeline.core.config import DrafterConfig, DraftTree
+from models.dflash import DFlashSettings
+from models.features import Features
+from pipeline.core.config import DraftTree
 from pipeline.core.drafters import load_drafter_dataset
 from pipeline.core.rollouts import shard_files, teacher_file
 from pipeline.core.runner import run_stage
@@ -36,7 +38,7 @@ def env(tmp_path_factory):
         bf16=False,
         ttt_steps=K,
         tau_k=K,
-        drafter=DrafterConfig(kind="dflash", block_size=K + 1, layers=1),
+        drafter=DFlashSettings(block_size=K + 1, layers=1),
     )
     block = run_stage(sft.STAGE, block_cfg, {"features": feats}, ctx).dataset
     drafters = {"eagle3": eagle, "dflash": block}
@@ -153,7 +155,9 @@ def test_logged_replays_are_the_rollouts_blocks_with_their_verify_teachers(env, 
         got = hidden_log_probs(target, torch.tensor(df["teacher"][r])[:n])
         worst = max(worst, float((want - got).abs().max()))
         if n == K:  # a replay from the same anchor drafts the very block the rollout logged
-            again = drafter.replay(aux, torch.tensor(ids), torch.tensor([row["anchor"]]), K)
+            again = drafter.replay(
+                Features(torch.tensor(ids), aux), torch.tensor([row["anchor"]]), K
+            )
             assert again.tokens[0].tolist() == tokens
             redrafted += 1
     assert worst < 0.05 and redrafted > 0

@@ -209,9 +209,7 @@ def test_loss_on_hand_made_replays_equals_a_direct_computation(world, name):
     index = opd.ReplayIndex(world["replays"], world["rollouts"], full_sequences=False)
     b = index.collate([0, 1, 2])
     assert len(b.item) == 6  # two anchors per item, trained in one unroll per item
-    [out] = drafter.training_module()(
-        (b.aux_hidden, b.input_ids, b.loss_mask, (b.item, b.anchor, b.tokens), K)
-    )
+    [out] = drafter.training_module()((b.features, b.loss_mask, (b.item, b.anchor, b.tokens), K))
     logits = drafter.replay_logits(out, b.item, b.anchor)
     target_logits = target.logits_from_hidden(b.teacher_hidden)
     accepted, mask = opd.replay_outcomes(b.accept_prob, b.replay_length, "all", torch.Generator())
@@ -246,9 +244,7 @@ def test_later_steps_never_read_target_activations_past_the_prefix(world):
 
     def chains(batch):
         replays = (batch.item, batch.anchor, batch.tokens)
-        [out] = drafter.training_module()(
-            (batch.aux_hidden, batch.input_ids, batch.loss_mask, replays, K)
-        )
+        [out] = drafter.training_module()((batch.features, batch.loss_mask, replays, K))
         return drafter.replay_logits(out, batch.item, batch.anchor)
 
     before = chains(b)
@@ -269,7 +265,7 @@ def _training_loss(drafter, index, rows, target):
     b = index.collate(rows)
     with torch.no_grad():
         [out] = drafter.training_module()(
-            (b.aux_hidden, b.input_ids, b.loss_mask, (b.item, b.anchor, b.tokens), K)
+            (b.features, b.loss_mask, (b.item, b.anchor, b.tokens), K)
         )
         logits = drafter.replay_logits(out, b.item, b.anchor)
         accepted, mask = opd.replay_outcomes(

@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from models.dflash import DFlashSettings
+from models.features import Features
 from pipeline.core import drafters
-from pipeline.core.config import DrafterConfig
 from pipeline.core.drafters import load_drafter_dataset
 from pipeline.core.runner import run_stage
 from pipeline.stages import opd, rollout, score, sft
@@ -16,7 +17,7 @@ from storage import OpdError, read_tensor_column
 from tests.pipeline.stages.test_rollout import drafter_env, rollout_cfg
 from tests.pipeline.stages.test_score import replays_of
 
-DFLASH = DrafterConfig(kind="dflash", block_size=4, layers=1)
+DFLASH = DFlashSettings(block_size=4, layers=1)
 K = 3
 OPD = dict(steps=6, batch_size=4, val_share=0.2, val_every=3, lr=3e-3, bf16=False, val_ttt_steps=K)
 
@@ -75,9 +76,8 @@ def test_score_replays_blocks_as_the_drafter_drafts_them(env):
     first = df.filter((pl.col("shard") == df["shard"][0]) & (pl.col("row") == df["row"][0]))
     r = first["row"][0]
     ids = torch.tensor(feats.column("input_ids")[r].as_py())
-    again = drafter.replay(
-        aux[off[r] : off[r + 1]], ids, torch.tensor(first["anchor"].to_list()), K
-    )
+    features = Features(ids, aux[off[r] : off[r + 1]])
+    again = drafter.replay(features, torch.tensor(first["anchor"].to_list()), K)
     assert again.tokens.tolist() == first["tokens"].to_list()
 
 
@@ -123,7 +123,7 @@ def test_a_target_head_runs_the_opd_loop_and_stays_the_targets(env):
         store.open(eagle.inputs["features"]),
         store.open(made["dflash"].inputs["prompts"]),
     )
-    head = DrafterConfig(kind="dflash", block_size=4, layers=1, head="target")
+    head = DFlashSettings(block_size=4, layers=1, head="target")
     how = dict(batch_size=4, val_share=0.2, lr=1e-2, bf16=False, ttt_steps=K, tau_k=K)
     block = run_stage(sft.STAGE, sft.Config(steps=4, drafter=head, **how), {"features": feats}, ctx)
     drafter = block.dataset

@@ -6,6 +6,7 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import cli
+from models.features import Features
 from pipeline.core import featurize, rollouts
 from pipeline.core.runner import RunContext, run_stage
 from pipeline.core.targets import TargetLoader
@@ -228,7 +229,7 @@ def test_sampled_rollout_logs_what_the_drafter_proposed(env):
     item = torch.zeros(len(full), dtype=torch.long, device=dev)
     aux = aux[off[0] : off[1]][None].to(dev)
     with torch.no_grad():
-        out = drafter.unroll(aux, ids, None, cfg.k, (item, anchors, tokens))
+        out = drafter.unroll(Features(ids, aux), None, cfg.k, (item, anchors, tokens))
         q = torch.softmax(drafter.replay_logits(out, item, anchors), -1).cpu()  # [N, K, Vd] T=1
     logged_q = torch.tensor([b["q"] for b in full])
     drafted_q = q.gather(-1, drafter.vocab.to_draft(tokens).cpu()[..., None])[..., 0]

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from cli.main import cli
 from models.drafters import load_drafter
+from models.features import Features
 from models.losses import (
     feature_regression,
     soft_cross_entropy,
@@ -249,7 +250,7 @@ def test_eagle1_trains_one_step_on_the_next_positions_state_and_its_drafter_eval
     assert out.row_steps == out.tokens == batch.num_tokens  # one unrolled step per row
     assert len(out.extra["acc"]) == 1
     b = validation.to_device(batch, target.device)
-    step0 = drafter.unroll(b["aux_hidden"], b["input_ids"], b["loss_mask"], 1)
+    step0 = drafter.unroll(Features(b["input_ids"], b["aux_hidden"]), b["loss_mask"], 1)
     teacher = teacher_draft_probs(target.logits_from_hidden(b["last_hidden"]), drafter.vocab)
     rows = step0.valid[0][:, :-1]
     want = feature_regression(
@@ -303,7 +304,7 @@ def test_sft_loss_scores_step_k_against_the_teacher_at_t_plus_k_plus_1(tiny_feat
     index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
     b = validation.to_device(index.collate([0, 3, 5]), target.device)
     mask = b["loss_mask"].bool()
-    out = drafter.unroll(b["aux_hidden"], b["input_ids"], mask, 4)
+    out = drafter.unroll(Features(b["input_ids"], b["aux_hidden"]), mask, 4)
     teacher = teacher_draft_probs(target.logits_from_hidden(b["last_hidden"]), drafter.vocab)
     got = drafter.sft_loss(out, teacher, b["last_hidden"], decay=0.8, objective=None)
     # the reference aligns step k's row t with full-size copies of the teacher at t+k+1

@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from models.dflash import DFlashSettings
 from models.dflash.drafter import DFlashDrafter
 from models.drafters import load_drafter, recorded_kind
 from pipeline.core import drafters, training
 from pipeline.core.checks import vocab_of
-from pipeline.core.config import DrafterConfig, version_dict
+from pipeline.core.config import version_dict
 from pipeline.core.export import export_drafter
 from pipeline.core.runner import run_stage
 from pipeline.core.trainer import TrainingStopped
@@ -21,7 +22,7 @@ from pipeline.stages import sft
 from storage import OpdError
 from tests.pipeline.stages.test_sft import tiny_features  # noqa: F401 (a fixture)
 
-DFLASH = DrafterConfig(kind="dflash", block_size=4, layers=1)
+DFLASH = DFlashSettings(block_size=4, layers=1)
 FAST = dict(batch_size=4, val_share=0.2, ttt_steps=3, tau_k=3, bf16=False, drafter=DFLASH)
 
 
@@ -105,7 +106,7 @@ def test_a_dflash_drafter_exports_in_its_own_format_only(tiny_features, tmp_path
 
 def test_sft_never_moves_a_target_head(tiny_features, tmp_path):  # noqa: F811
     store, ctx, feats = tiny_features
-    head = DrafterConfig(kind="dflash", block_size=4, layers=1, head="target")
+    head = DFlashSettings(block_size=4, layers=1, head="target")
     cfg = sft.Config(steps=3, lr=1e-2, **(FAST | {"drafter": head}))
     ds = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
     target = ctx.target_loader.target
