@@ -41,7 +41,7 @@ TEST_ENV := PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 DO_NOT_TRACK=1 
 
 # Two workers (tests are single-threaded; one per core); a test file stays in one worker, and
 # every test that starts a vLLM engine shares one (tests/conftest.py).
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=20
 
 # The whole suite, vLLM's engine included: what CI runs (.ci/run).
 test: $(STAMP) $(VLLM_STAMP)

@@ -21,6 +21,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         group = "vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+    # Longest first, so neither worker is left alone with a long group at the end: the vLLM
+    # group (engine starts, two trained drafters, ~10 min), then the `slow` modules, then the
+    # rest. A stable sort keeps every module's own order.
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("vllm") is None,
+            item.get_closest_marker("slow") is None,
+        )
+    )
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -19,7 +19,7 @@ import pytest
 
 from storage import Store
 
-pytestmark = pytest.mark.prefect_server
+pytestmark = [pytest.mark.prefect_server, pytest.mark.slow]
 BIN = Path(sys.executable).parent
 
 

@@ -7,6 +7,8 @@ import pytest
 from flows.pipeline import opd_pipeline
 from storage import OpdError, Store
 
+pytestmark = pytest.mark.slow  # minutes: scheduled early by tests/conftest.py
+
 
 def test_two_dask_workers_give_the_serial_flows_datasets(tmp_path):
     serial = opd_pipeline(profile="tiny", chain="sft-chain", root=str(tmp_path / "serial"))

@@ -25,6 +25,8 @@ from pipeline.stages import features, generate, rollout, score, sft
 from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
 
+pytestmark = pytest.mark.slow  # minutes: scheduled early by tests/conftest.py
+
 REPO = Path(__file__).resolve().parents[2]
 
 

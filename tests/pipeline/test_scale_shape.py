@@ -6,11 +6,11 @@ Depth 4: the fewest layers EAGLE-3's three aux ids (1, 2, 3: strictly increasing
 Width 512 (4 query heads / 1 KV head of 128, MLP 1,792), not 4,096: at full width 4 layers are
 1.9B fp32 parameters (7.7 GB) before the drafter's weights and Adam state (another ~7.6 GB for a
 width-4096 EAGLE-3 layer with a 32k head), past what CI's memory holds; 512 is the narrowest
-width the shape keeps its head size and KV grouping at. Measured on 2 cores shared with other
-test runs (load average ~6): 238 s, peak RSS under 2.5 GB; with a 512-id draft vocabulary the
-same chain took 84 s, so the 32k draft head is most of the time. The vocabulary is the real one throughout: prompts tokenize to ids
-below 4,096 (the embedded BPE), the random target generates ids up to 128,255, and the draft
-vocabulary is Llama-3.1-8B EAGLE-3's 32,000.
+width the shape keeps its head size and KV grouping at. The chain took 89 s on an idle 2-core
+machine (238 s beside other test runs, load average ~6; 84 s there with a 512-id draft
+vocabulary, so the 32k draft head is most of the time), peak RSS under 2.5 GB. The vocabulary
+is the real one throughout: prompts tokenize to ids below 4,096 (the embedded BPE), the random
+target generates ids up to 128,255, and the draft vocabulary is Llama-3.1-8B EAGLE-3's 32,000.
 """
 
 from __future__ import annotations
@@ -23,9 +23,12 @@ import textwrap
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pytest
 from safetensors import safe_open
 
 from storage import Store
+
+pytestmark = pytest.mark.slow  # minutes: scheduled early by tests/conftest.py
 
 VOCAB = 128_256
 WIDTH = 512

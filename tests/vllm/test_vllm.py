@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -149,14 +150,19 @@ def test_an_engine_without_room_for_its_kv_cache_names_the_setting(embedded: Emb
 
 
 def _defunct_children() -> list[str]:
-    kids = []
-    for task in Path("/proc/self/task").iterdir():
-        kids += (task / "children").read_text().split()
-    states = {}
-    for pid in kids:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        states[pid] = (stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2])
-    return [f"{pid} {name}" for pid, (name, state) in states.items() if state == "Z"]
+    """This process's zombie children, as "PID NAME" (read from /proc; a process that ends
+    while it is read is skipped)."""
+    found = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = stat_file.read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == os.getpid() and state == "Z":
+            found.append(f"{stat_file.parent.name} {name}")
+    return found
 
 
 def test_closing_an_engine_leaves_no_defunct_engine_process(embedded: Embedded, eagle3_export):
