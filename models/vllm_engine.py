@@ -86,6 +86,9 @@ class SpecCounters:
 
 
 _ENGINES: dict[EngineSpec, Any] = {}
+_ENGINE_PROCESSES: dict[EngineSpec, set[multiprocessing.process.BaseProcess]] = {}
+"""The processes each engine's start spawned (its engine core), to reap when it closes."""
+ENGINE_EXIT_S = 30  # vLLM force-kills its engine core after ~5 s; this only bounds the wait
 
 
 def unavailable_reason() -> str | None:
@@ -241,12 +244,14 @@ def engine(spec: EngineSpec) -> Any:
         # engine in the same process unregisters an older one's, and both carry the same labels.
         kwargs["per_request_spec_decode_metrics"] = "summary"
     _quiet_known_noise()
+    before = set(multiprocessing.active_children())
     with _stderr_tail() as tail:
         try:
             llm = LLM(**kwargs)
         except Exception as e:  # vLLM raises ValueError, pydantic errors and RuntimeError here
             raise _start_failure(spec, e, tail) from e
     _ENGINES[spec] = llm
+    _ENGINE_PROCESSES[spec] = set(multiprocessing.active_children()) - before
     return llm
 
 
@@ -264,9 +269,10 @@ def close(spec: EngineSpec | None = None) -> None:
         llm = _ENGINES.pop(key, None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-    # vLLM kills its engine process on shutdown but never waits for it, which leaves a defunct
-    # `VLLM::EngineCore` until this process ends; asking for the live children reaps the dead.
-    multiprocessing.active_children()
+        # vLLM kills its engine core on shutdown but never waits for it, which leaves a defunct
+        # `VLLM::EngineCore` until this process ends: wait for (and so reap) what it started.
+        for proc in _ENGINE_PROCESSES.pop(key, set()):
+            proc.join(timeout=ENGINE_EXIT_S)
 
 
 def _sampling(
