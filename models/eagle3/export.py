@@ -301,6 +301,31 @@ def _aux_ids(config: dict[str, Any], speculators: bool, source: str) -> list[int
     return [int(i) for i in ids]
 
 
+def _format_and_layer(config: dict, source: str) -> tuple[bool, dict]:
+    """(whether the export is in speculators format, the dict holding its layer's sizes), after
+    checking the fields that tell the two formats apart."""
+    speculators = "speculators_model_type" in config
+    if speculators:
+        if config["speculators_model_type"] != "eagle3":
+            raise ExportError(
+                f"{source}: speculators_model_type is {config['speculators_model_type']!r}, not 'eagle3'"
+            )
+        layer = config.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise ExportError(f"{source}: transformer_layer_config is missing")
+        if "norm_before_residual" not in config:
+            raise ExportError(
+                f"{source}: norm_before_residual is missing; vLLM's speculators loader would assume true"
+            )
+    else:
+        if NATIVE_ARCHITECTURE not in (config.get("architectures") or []):
+            raise ExportError(
+                f"{source}: architectures {config.get('architectures')} is neither native EAGLE-3 nor speculators"
+            )
+        layer = config
+    return speculators, layer
+
+
 def read_eagle3_export(
     export_dir: str | os.PathLike, embed_weight: Tensor | None = None
 ) -> tuple[Eagle3Config, Tensor, dict[str, Tensor]]:
@@ -321,25 +346,7 @@ def read_eagle3_export(
         if not path.is_file():
             raise ExportError(f"{path} not found: not an EAGLE-3 export directory")
     config = json.loads(config_path.read_text())
-    speculators = "speculators_model_type" in config
-    if speculators:
-        if config["speculators_model_type"] != "eagle3":
-            raise ExportError(
-                f"{source}: speculators_model_type is {config['speculators_model_type']!r}, not 'eagle3'"
-            )
-        layer = config.get("transformer_layer_config")
-        if not isinstance(layer, dict):
-            raise ExportError(f"{source}: transformer_layer_config is missing")
-        if "norm_before_residual" not in config:
-            raise ExportError(
-                f"{source}: norm_before_residual is missing; vLLM's speculators loader would assume true"
-            )
-    else:
-        if NATIVE_ARCHITECTURE not in (config.get("architectures") or []):
-            raise ExportError(
-                f"{source}: architectures {config.get('architectures')} is neither native EAGLE-3 nor speculators"
-            )
-        layer = config
+    speculators, layer = _format_and_layer(config, source)
     if config.get("norm_before_residual", False):
         raise ExportError(
             f"{source}: norm_before_residual is true; this drafter computes the residual before hidden_norm"
