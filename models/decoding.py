@@ -29,6 +29,7 @@ not_reached = never tried. A node at depth d sits at sequence position anchor + 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -52,7 +53,7 @@ from models.drafter import (
 from models.features import Features
 from models.kv import extend_mask, trim_slots, valid_upto
 from models.target import Target
-from models.verify import Verdict, accept, ancestors, sample_target
+from models.verify import Typical, Verdict, accept, ancestors, sample_target
 
 OUTCOMES = ("accepted", "rejected", "not_reached")
 RECORD_COLUMNS = (
@@ -89,6 +90,11 @@ class SpecConfig:
     max_new_tokens: int = 64
     seed: int = 0
     eos_token_ids: tuple[int, ...] | None = None
+    typical: Typical | None = None
+    """Medusa's typical acceptance instead of the lossless rule at T>0 (LOSSY: the output no
+    longer has the target's law; models/verify.py). Then every step's token after the accepted
+    path, and the prefill's first token, is the target's argmax, as Medusa emits them. The
+    result's stats say `acceptance: typical, lossless: false`."""
     keep_teacher: bool = False
     """Keep each verify step's teacher: the target's post-norm last hidden at the state
     predicting each draft (chains only). It is conditioned on the drafts before it, so it is
@@ -151,8 +157,9 @@ def speculative_generate(
     eos = _eos_tensor(target, cfg.eos_token_ids)
     timer = _ForwardTimer()
     proposer = drafter.proposer(cfg.shape, cfg.temperature, gen, timer)  # checks the shape
+    first_temperature = 0.0 if cfg.typical is not None else cfg.temperature
     state, rows = _prefill(
-        target, prompts, cfg.max_new_tokens + cfg.shape.depth + 1, cfg.temperature, gen, timer
+        target, prompts, cfg.max_new_tokens + cfg.shape.depth + 1, first_temperature, gen, timer
     )
     chain = isinstance(cfg.shape, ChainShape)
     logged: list[dict[str, Tensor]] = []
@@ -173,7 +180,9 @@ def speculative_generate(
         depth = proposal.tokens.shape[1] if chain else int(budget.max())
         out, start = _verify(target, state, proposal, depth, timer)
         counts["verify"] += 1
-        verdict = accept(proposal, out.logits, budget, depth, eos, cfg.temperature, gen)
+        verdict = accept(
+            proposal, out.logits, budget, depth, eos, cfg.temperature, gen, cfg.typical
+        )
         entry = _step_log(state, len(logged), budget, proposal, verdict)
         if cfg.keep_teacher:  # input 0 is the last committed token: it predicts draft 1
             in_block = verdict.usable[..., None]  # [B, K, 1]: past a row's block, no teacher
@@ -612,6 +621,13 @@ def _stats(
     return stats
 
 
+def _acceptance(cfg: SpecConfig) -> dict[str, Any]:
+    """Which rule accepted the drafts, and whether the output has the target's law."""
+    if cfg.typical is None or cfg.temperature == 0:
+        return {"acceptance": "lossless", "lossless": True}
+    return {"acceptance": "typical", "lossless": False, **dataclasses.asdict(cfg.typical)}
+
+
 def _result(
     state: _Batch,
     logged: list[dict[str, Any]],
@@ -627,6 +643,6 @@ def _result(
         finish_reasons=state.finish_reasons,
         records=_records(merged, tree),
         steps={name: merged[name].tolist() if logged else [] for name in step_columns},
-        stats=_stats(merged, cfg.shape, counts, timer),
+        stats=_stats(merged, cfg.shape, counts, timer) | _acceptance(cfg),
         teacher=merged.get("teacher") if cfg.keep_teacher else None,
     )

@@ -19,6 +19,12 @@ bonus token).
   - a tree's children are point masses (q = delta_x): a child is accepted with r(x), and a
     rejection removes x from r.
 
+Typical acceptance (Medusa's, `Typical`) is the one lossy rule here, opt-in: a node x is
+accepted when p(x) > min(epsilon, delta * exp(-H(p))) at its parent, the deepest path of accepted
+nodes wins (ties: its likelihood), and the token after it is p's argmax. At T>0 this is not
+p's law: every step emits the argmax after its path, and nothing in it is random (see
+`accept_typical`). At T=0 it is greedy decoding, the lossless rule.
+
 Used by the decoding loop (models/decoding.py: `accept`, `sample_target`, `ancestors`) and by the
 stages that replay drafts offline: `score` writes each replayed draft's `accept_prob`
 (`greedy_accept`, `accept_prob_of_logs`) and `reach` (`reach`); `opd` draws the outcomes of
@@ -104,6 +110,20 @@ class Verdict:
     reach: Tensor  # [B] the deepest offset the row could accept (acceptance's denominator)
 
 
+@dataclass(frozen=True)
+class Typical:
+    """Medusa's typical acceptance thresholds (its defaults: epsilon 0.09, delta 0.3)."""
+
+    epsilon: float = 0.09  # the hard floor on p(x) ...
+    delta: float = 0.3  # ... lowered to delta * exp(-entropy) where p is flat
+
+    def __post_init__(self) -> None:
+        for name in ("epsilon", "delta"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"typical acceptance {name} must lie in (0, 1], got {value!r}")
+
+
 def accept(
     proposal: Proposal,
     logits: Tensor,
@@ -112,10 +132,14 @@ def accept(
     eos: Tensor,
     temperature: float,
     gen: torch.Generator,
+    typical: Typical | None = None,
 ) -> Verdict:
     """The module docstring's acceptance rule on one verify forward's logits [B, 1+N, V] (row 0:
     the last committed token), within each row's depth budget [B]. A chain's tests run at once;
-    a tree walks depth by depth. A path ends after an accepted EOS: nothing follows EOS."""
+    a tree walks depth by depth. A path ends after an accepted EOS: nothing follows EOS.
+    `typical` (T>0 only; lossy) takes `accept_typical` instead."""
+    if typical is not None and temperature > 0:
+        return accept_typical(proposal, logits, budget, depth, eos, temperature, typical)
     if proposal.is_chain:
         return accept_chain(proposal, logits, budget, eos, temperature, gen)
     parent = torch.cat([torch.zeros_like(budget[:, None]), proposal.parent], dim=1)  # [B, 1+N]
@@ -389,3 +413,77 @@ def residual_without(p: Tensor, tokens: Tensor, rejected: Tensor) -> Tensor:
     mass = removed.sum(-1, keepdim=True)
     # mass 0 needs the rejected tokens to hold all of p, and then one of them was accepted
     return torch.where(mass > 0, removed / mass.clamp(min=1e-30), p)
+
+
+# ---------------------------------------------------------------------------- typical (lossy)
+
+
+def accept_typical(
+    proposal: Proposal,
+    logits: Tensor,
+    budget: Tensor,
+    depth: int,
+    eos: Tensor,
+    temperature: float,
+    typical: Typical,
+) -> Verdict:
+    """Medusa's typical acceptance on a chain or tree (LOSSY at T > 0; the loop's default is
+    lossless): node x passes when p(x) > min(epsilon, delta * exp(-H(p))), p = softmax(logits
+    / T) at its parent and H its entropy; of the nodes whose whole path passes (and follows no
+    accepted EOS) the deepest is taken, ties to the higher sum of log p along the path, then to
+    the lower node index; the token after it is p's argmax there. No draw is made: the output
+    is a function of the prompt, and the token after each path is p's mode, so the emitted law
+    puts no mass off the mode where nothing passes (total variation to p at least 1 - max p).
+    logits [B, 1+N, V]; the Verdict as `accept`'s (accept_prob: 1 / 0 for a pass / fail)."""
+    batch, n = proposal.tokens.shape
+    device = logits.device
+    rows = torch.arange(batch, device=device)
+    index = torch.arange(n + 1, device=device)
+    root = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    if proposal.is_chain:  # node i continues node i-1
+        parent = index[:-1].expand(batch, -1)  # [B, N]
+        node_depth = index[1:].expand(batch, -1)
+        is_eos = torch.isin(proposal.tokens, eos)
+        after_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) > 0
+        in_budget = (node_depth <= budget[:, None]) & ~after_eos  # [B, N] the block
+    else:
+        parent, node_depth = proposal.parent, proposal.depth
+        in_budget = node_depth <= budget[:, None]
+    parent = torch.cat([root, parent], dim=1)  # [B, 1+N]
+    node_depth = torch.cat([root, node_depth], dim=1)
+    usable = torch.cat([torch.zeros_like(root, dtype=torch.bool), in_budget], dim=1)
+    tokens = torch.cat([root, proposal.tokens], dim=1)  # [B, 1+N]
+
+    p_rows = torch.softmax(logits.float() / temperature, dim=-1)  # [B, 1+N, V]
+    entropy = -(p_rows * p_rows.clamp_min(torch.finfo(torch.float32).tiny).log()).sum(-1)
+    floor = torch.clamp(typical.delta * torch.exp(-entropy), max=typical.epsilon)  # [B, 1+N]
+    p_node = p_rows[rows[:, None], parent, tokens]  # [B, 1+N] p of each node at its parent
+    passed = (p_node > floor.gather(1, parent)) & usable
+    passed[:, 0] = True  # the root is committed
+    anc = ancestors(parent, max(depth, 1))  # [B, 1+N, 1+N]
+    strict = anc & (index[:, None] != index)
+    stops = torch.isin(tokens, eos) & usable
+    whole = ~(strict & (~passed | stops)[:, None, :]).any(-1) & passed  # [B, 1+N]
+    loglik = (anc.double() * p_node.double().clamp_min(1e-300).log()[:, None, :]).sum(-1)
+    deepest = torch.where(whole, node_depth, -1).amax(1, keepdim=True)  # [B, 1]
+    best = torch.where(whole & (node_depth == deepest), loglik, -torch.inf).argmax(1)  # [B]
+    on_path = anc[rows, best] & (index > 0)  # [B, 1+N]
+    accepted = node_depth[rows, best]
+    path = torch.zeros(batch, depth + 1, dtype=torch.long, device=device)
+    path.scatter_(1, torch.where(on_path, node_depth, 0), torch.where(on_path, index, 0))
+    reached = on_path & ~stops
+    reached[:, 0] = True
+    tried = reached.gather(1, parent) & usable  # children of the root or of a path node
+    outcome = torch.full_like(parent, 2)
+    outcome[tried & ~on_path] = 1
+    outcome[on_path] = 0
+    return Verdict(
+        accepted=accepted,
+        path=path[:, 1:],
+        next=p_rows[rows, best].argmax(-1),
+        p=p_node[:, 1:],
+        accept_prob=passed[:, 1:].float(),
+        outcome=outcome[:, 1:],
+        usable=usable[:, 1:],
+        reach=in_budget.sum(1) if proposal.is_chain else budget,
+    )

@@ -44,7 +44,7 @@ class VllmError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What an engine serves: a target directory, optionally with an EAGLE-3 drafter export."""
+    """What an engine serves: a target directory, optionally with a drafter's export."""
 
     model: str
     dtype: str = "float32"
@@ -54,7 +54,7 @@ class EngineSpec:
     """Drafted tokens per step (num_speculative_tokens); used only with a drafter."""
     seed: int = 0
     method: str = "eagle3"
-    """vLLM's speculative method for the drafter: eagle3, or dflash (models/dflash/export.py)."""
+    """vLLM's speculative method for the drafter: the kind's `serve_method` (models/<kind>/)."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,9 @@ def _root_cause(tail: Sequence[str]) -> str | None:
 
 
 def _start_failure(spec: EngineSpec, error: BaseException, tail: Sequence[str]) -> VllmError:
-    reason = _root_cause(tail) if "See root cause above" in str(error) else None
+    # vLLM's wrappers point at the child's traceback in two wordings (engine core, worker)
+    pointer = re.search(r"See (root cause above|stack trace for root cause)", str(error))
+    reason = _root_cause(tail) if pointer else None
     reason = " ".join((reason or f"{type(error).__name__}: {error}").split())
     if re.search(r"KV cache|cache blocks", reason, re.IGNORECASE):
         return VllmError(

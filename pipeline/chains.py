@@ -33,9 +33,19 @@ class Step:
     inputs: dict[str, str] = field(default_factory=dict)  # role -> key of an earlier step
 
 
+ON_THE_TARGETS_LAW = ("rollout", "score")
+"""Stages whose outputs must have the target's law (its samples, its scores of the drafts they
+replay): Draft-OPD trains on them, so a lossy verifier would teach the drafter another law."""
+
+
 def _step(key: str, cfg: PipelineConfig, inputs: dict[str, str] | None = None, **update) -> Step:
     """Step `key` of stage `key` (or `<stage>-r<round>`), its config section updated by `update`."""
     stage = stages.get(key.partition("-r")[0])
+    if stage.name in ON_THE_TARGETS_LAW and cfg.drafting.acceptance == "typical":
+        raise OpdError(
+            f"{stage.name} must keep the target's law, and drafting.acceptance=typical is lossy: "
+            "drop it for this run (typical acceptance is for evaluate only)"
+        )
     section = getattr(cfg, stage.name)
     return Step(key, stage, section.model_copy(update=update) if update else section, inputs or {})
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
@@ -21,6 +21,7 @@ from pipeline.core.config import (
     DraftTree,
     StopConfidence,
     StrictConfig,
+    TypicalAcceptance,
     default_drafter,
     optional_field,
 )
@@ -53,8 +54,23 @@ class DraftingConfig(StrictConfig):
         "unset: always K drafts, so datasets made without it keep their versions"
     )
 
+    acceptance: Literal["lossless", "typical"] | None = optional_field(
+        "How verification accepts drafts in evaluate: lossless (unset: the target's law at "
+        "every temperature) or typical, Medusa's typical acceptance, which is LOSSY at T>0 "
+        "(opt-in, flagged in every result; rollout and score refuse it)"
+    )
+    typical: TypicalAcceptance | None = optional_field(
+        "typical acceptance's thresholds (unset: Medusa's epsilon 0.09, delta 0.3); only with "
+        "drafting.acceptance=typical"
+    )
+
     @model_validator(mode="after")
     def _check(self) -> DraftingConfig:
+        if self.typical is not None and self.acceptance != "typical":
+            raise ValueError(
+                "drafting.typical sets typical acceptance's thresholds: add "
+                "drafting.acceptance=typical (or drop drafting.typical)"
+            )
         if self.ttt_steps < self.k:
             raise ValueError(
                 f"drafting.ttt_steps ({self.ttt_steps}) must be >= drafting.k ({self.k}): "

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from models.acceptance import AcceptanceStats
+from models.blocks import BlockUnroll, block_acceptance, block_replay_logits, sft_block_loss
 from models.dflash.export import export_dflash, read_dflash_export
 from models.dflash.model import (
     DEFAULT_ANCHORS,
@@ -29,14 +30,7 @@ from models.dflash.model import (
     DFlashModel,
 )
 from models.dflash.propose import DFlashProposer
-from models.dflash.train import (
-    BlockUnroll,
-    block_acceptance,
-    block_replay_logits,
-    block_unroll,
-    replay_blocks,
-    sft_block_loss,
-)
+from models.dflash.train import block_unroll, replay_blocks
 from models.drafter import (
     ExportTarget,
     FrozenEmbeddingDrafter,

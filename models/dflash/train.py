@@ -18,27 +18,13 @@ distribution at each, which `score` computed conditioned on the drafted prefix).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from models.acceptance import AcceptanceStats
+from models.blocks import BlockUnroll
 from models.dflash.model import DFlashModel
 from models.drafter import Replayed
 from models.features import Features, replay_inputs
-from models.losses import acceptance_rate, soft_cross_entropy, teacher_draft_probs
-from models.vocab import DraftVocab
-
-
-@dataclass
-class BlockUnroll:
-    """One training forward's blocks: per batch row A anchors, K drafted slots each."""
-
-    logits: Tensor  # [N, A, K, Vd] fp32: slot k+1 of each block
-    anchors: Tensor  # [N, A] anchor positions
-    valid: Tensor  # [N, A, K] bool: the slot's label exists and is trained on
-    replayed: Tensor | None = None  # [R, K, Vd] fp32: the block at each replay's anchor, in order
 
 
 def choose_anchors(loss_mask: Tensor, cap: int, *, sample: bool) -> tuple[Tensor, Tensor]:
@@ -107,68 +93,6 @@ def block_unroll(
     trained = keep.gather(1, label.clamp(max=T - 1).view(N, -1)).view(label.shape)
     replayed = None if replays is None else logits[item, A + column]  # [R, K, Vd]
     return BlockUnroll(logits[:, :A], anchors, real[..., None] & (label < T) & trained, replayed)
-
-
-def _at_slots(per_position: Tensor, anchors: Tensor, steps: int) -> Tensor:
-    """per_position [N, T, ...] -> its value at position a+k-1 of each slot k: [N, A, K, ...]."""
-    N, T = per_position.shape[:2]
-    index = anchors[..., None] + torch.arange(steps, device=anchors.device)  # [N, A, K]
-    flat = index.clamp(max=T - 1).view(N, -1)
-    rest = per_position.shape[2:]
-    gathered = per_position.gather(1, flat.view(N, -1, *([1] * len(rest))).expand(-1, -1, *rest))
-    return gathered.view(*index.shape, *rest)
-
-
-def block_loss(logits: Tensor, teacher: Tensor, valid: Tensor, decay: float) -> Tensor:
-    """Position-decayed soft cross-entropy: sum_k decay^(k-1) * mean over valid blocks of
-    -sum_v p_v log q_v at slot k. logits, teacher [N, A, K, Vd]; valid [N, A, K]. The decay
-    (0.8 per slot: exp(-(k-1)/4.5), near the public trainers' gamma 4 for B=8) spends the
-    gradient where acceptance is decided: a slot only counts if every slot before it did."""
-    if not 0 < decay <= 1:
-        raise ValueError(f"decay must lie in (0, 1], got {decay}")
-    return sum(
-        decay**k * soft_cross_entropy(logits[:, :, k], teacher[:, :, k], valid[:, :, k])
-        for k in range(logits.shape[2])
-    )
-
-
-def sft_block_loss(out: BlockUnroll, teacher: Tensor, decay: float) -> Tensor:
-    """`block_loss` of an unroll against the target's draft-vocab distribution teacher [N, T, Vd]."""
-    return block_loss(
-        out.logits, _at_slots(teacher, out.anchors, out.logits.shape[2]), out.valid, decay
-    )
-
-
-@torch.no_grad()
-def block_acceptance(
-    out: BlockUnroll, target_logits: Tensor, vocab: DraftVocab, *, chain_k: int, expected: bool
-) -> AcceptanceStats:
-    """AcceptanceStats per slot of an unroll; target_logits [N, T, V] at every position. A
-    block's leading hits are what greedy decoding accepts there (module docstring)."""
-    K = out.logits.shape[2]
-    if not 1 <= chain_k <= K:
-        raise ValueError(f"chain_k must be in [1, {K}] (the drafted slots), got {chain_k}")
-    stats = AcceptanceStats.zeros(K, chain_k, target_logits.device)
-    choice = _at_slots(target_logits.argmax(-1), out.anchors, K)  # [N, A, K]
-    hit = (vocab.to_target(out.logits.argmax(-1)) == choice) & out.valid
-    if expected:
-        p = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False)  # [N, T, Vd]
-        alpha = acceptance_rate(out.logits.softmax(-1), _at_slots(p, out.anchors, K))
-        stats.alpha_sum = (alpha * out.valid).sum((0, 1)).double()
-    stats.hits = hit.sum((0, 1)).double()
-    stats.valid = out.valid.sum((0, 1)).double()
-    chain_valid = out.valid[..., :chain_k].all(-1)  # [N, A]
-    chain_len = hit[..., :chain_k].long().cumprod(-1).sum(-1)  # [N, A] leading hits
-    stats.chain_rows = chain_valid.sum().double()
-    stats.chain_len = chain_len[chain_valid].sum().double()
-    return stats
-
-
-def block_replay_logits(out: BlockUnroll, anchor: Tensor) -> Tensor:
-    """The drafter's logits [R, K, Vd] along each replay of an unroll given replays."""
-    if out.replayed is None or len(out.replayed) != len(anchor):
-        raise ValueError("replay_logits needs the unroll that was given these replays")
-    return out.replayed
 
 
 @torch.no_grad()

@@ -56,6 +56,15 @@ StopConfidence = Annotated[float, Field(ge=0.0, lt=1.0)]
 joint probability never exceeds 1 and a threshold of 1 would propose nothing."""
 
 
+class TypicalAcceptance(StrictConfig):
+    """Medusa's typical acceptance thresholds (`drafting.acceptance=typical`, lossy at T>0): a
+    draft x passes when p(x) > min(epsilon, delta * exp(-H(p))) (models/verify.py). The defaults
+    are Medusa's (posterior_threshold 0.09, posterior_alpha 0.3)."""
+
+    epsilon: float = Field(0.09, gt=0.0, le=1.0)
+    delta: float = Field(0.3, gt=0.0, le=1.0)
+
+
 class DraftTree(StrictConfig):
     """An EAGLE-2 dynamic draft tree (models/eagle3/propose.py). The defaults are EAGLE-2's
     (its EaModel: total_token=60, depth=5, top_k=10)."""

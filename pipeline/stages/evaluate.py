@@ -54,6 +54,7 @@ from pipeline.core.config import (
     DraftTree,
     StopConfidence,
     StrictConfig,
+    TypicalAcceptance,
     optional_field,
     runtime_field,
 )
@@ -79,6 +80,12 @@ class Config(StrictConfig):
     tree: DraftTree | None = optional_field("decode on draft trees; set through `drafting.tree`")
     stop_confidence: StopConfidence | None = optional_field(
         "stop a chain's drafting below this joint confidence: `drafting.stop_confidence`"
+    )
+    acceptance: Literal["lossless", "typical"] | None = optional_field(
+        "lossless (unset) or typical, Medusa's lossy rule: set through `drafting.acceptance`"
+    )
+    typical: TypicalAcceptance | None = optional_field(
+        "typical acceptance's thresholds: set through `drafting.typical`"
     )
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(128, ge=1)
@@ -171,7 +178,13 @@ def evaluate(
     from tqdm import tqdm
 
     decode = decoder(
-        cfg.k, cfg.tree, cfg.temperature, cfg.max_new_tokens, cfg.seed, cfg.stop_confidence
+        cfg.k,
+        cfg.tree,
+        cfg.temperature,
+        cfg.max_new_tokens,
+        cfg.seed,
+        cfg.stop_confidence,
+        typical=typical_rule(cfg),
     )
     records: dict[str, list] = {}
     steps: dict[str, list] = {}
@@ -215,6 +228,16 @@ def evaluate(
     return out
 
 
+def typical_rule(cfg: Config) -> TypicalAcceptance | None:
+    """The typical-acceptance thresholds when `drafting.acceptance=typical`, else None."""
+    return (cfg.typical or TypicalAcceptance()) if cfg.acceptance == "typical" else None
+
+
+def lossy(cfg: Config) -> bool:
+    """Whether this evaluation's output leaves the target's law (typical acceptance at T>0)."""
+    return cfg.acceptance == "typical" and cfg.temperature > 0
+
+
 def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
     """The headline numbers of all the prompts' rows and sums."""
     step_df, draft_df, sums = out.steps, out.drafts, out.sums
@@ -238,6 +261,11 @@ def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
         **({"stop_confidence": cfg.stop_confidence} if cfg.stop_confidence is not None else {}),
         **({"tree": cfg.tree.model_dump()} if cfg.tree else {}),
         "temperature": cfg.temperature,
+        **(
+            {"acceptance": "typical", "lossless": False, **typical_rule(cfg).model_dump()}
+            if lossy(cfg)
+            else {}
+        ),
         "prompts": prompts,
         "verify_steps": step_df.height,
         "emitted_tokens": int(step_df["emitted"].sum()),
@@ -361,6 +389,11 @@ def _decode(
 def run(
     cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
+    if cfg.acceptance == "typical" and cfg.backend == "vllm":
+        raise OpdError(
+            "evaluate.backend=vllm with drafting.acceptance=typical: vLLM verifies with its "
+            "lossless rejection sampler only; evaluate typical acceptance with backend=hf"
+        )
     if cfg.tree is not None and cfg.backend == "vllm":
         raise OpdError(
             "evaluate.backend=vllm with drafting.tree: vLLM serves EAGLE-3 on a static "
@@ -416,12 +449,13 @@ def run(
     alpha = " ".join(f"{a:.2f}" for a in stats["alpha"])
     speed = f", {stats['speedup']:.2f}x plain decoding" if "speedup" in stats else ""
     log.info(
-        "[evaluate] tau=%.3f alpha=[%s] T=%s %s%s",
+        "[evaluate] tau=%.3f alpha=[%s] T=%s %s%s%s",
         stats["tau"],
         alpha,
         cfg.temperature,
         f"K={cfg.k}" if cfg.tree is None else f"tree={cfg.tree.model_dump()}",
         speed,
+        " (typical acceptance: LOSSY, not the target's law)" if lossy(cfg) else "",
     )
     return stats | {"drafter": str(inputs["drafter"].ref)}
 
@@ -435,6 +469,12 @@ STAGE = Stage(
     doc="speculative decoding on held-out prompts: tau, per-position acceptance, speed-up",
     inputs={"prompts": ("prompts",), "drafter": DRAFTER_DATASETS},
     default_inputs={"drafter": "sft@latest"},
-    drafting={"k": "k", "tree": "tree", "stop_confidence": "stop_confidence"},
+    drafting={
+        "k": "k",
+        "tree": "tree",
+        "stop_confidence": "stop_confidence",
+        "acceptance": "acceptance",
+        "typical": "typical",
+    },
     sharded=True,
 )

@@ -14,8 +14,9 @@ shards without the two hidden-state columns, and the same vocab file: 5 bytes a 
 of 5 + 8H (32 KiB at H = 4096). Its meta says `mode: online`, and the training stages (sft, and
 opd's features anchor) then run the target over each batch inside their loop
 (`training.FeatureIndex.featurize`), trading disk for one target forward per training batch
-(and per validation batch). The map stays frozen here, and lineage, checks and chains read an
-online features dataset as any other.
+(and per validation batch). A drafter trained on it rolls out online too (rollout writes
+tokens only; score and opd compute the states). The map stays frozen here, and lineage, checks
+and chains read an online features dataset as any other.
 
 Shard i (rows_per_shard trajectories, in trajectories order) is written by rank i % world_size.
 Resumes: completed shards are skipped; the vocab file is deterministic and rewritten if absent.
@@ -35,7 +36,13 @@ from tqdm import tqdm
 from models.vocab import DraftVocab
 from pipeline.core.checks import VOCAB_FILE, check_same_target
 from pipeline.core.config import StrictConfig, optional_field
-from pipeline.core.featurize import ONLINE, feature_schema, forward_batch, token_schema
+from pipeline.core.featurize import (
+    ONLINE,
+    feature_schema,
+    length_batches,
+    sequence_features,
+    token_schema,
+)
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import Inputs, Stage
 from storage import Dataset, DatasetWriter, OpdError, tensor_array
@@ -122,15 +129,12 @@ def run(
             output.write_ipc(shard, pa.Table.from_pylist(chunk, schema=schema))
             bar.update()
             continue
-        order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]["input_ids"]))
+        seqs = [r["input_ids"] for r in chunk]
         aux_rows: list[torch.Tensor | None] = [None] * len(chunk)
         last_rows: list[torch.Tensor | None] = [None] * len(chunk)
-        for b in range(0, len(order), cfg.batch_size):
-            idx = order[b : b + cfg.batch_size]
-            aux, last = forward_batch(target, [chunk[j]["input_ids"] for j in idx])
-            for k, j in enumerate(idx):
-                n = len(chunk[j]["input_ids"])
-                aux_rows[j], last_rows[j] = aux[k, :n], last[k, :n]
+        batches = length_batches([len(s) for s in seqs], cfg.batch_size)
+        for j, aux, last in sequence_features(target, seqs, batches):
+            aux_rows[j], last_rows[j] = aux, last
         table = pa.table(
             [
                 pa.array([r["seq_id"] for r in chunk], pa.string()),

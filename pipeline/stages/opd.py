@@ -2,7 +2,8 @@
 
 Consumes `replays` (drafting replayed by the current drafter from the rollout's error positions,
 every proposal scored by the target), the `rollouts` they were replayed on (the sequences and
-their target features), the `drafter` to start from (an `sft` or `opd` dataset) and, optionally,
+their target features, or only the tokens when online, below), the `drafter` to start from (an
+`sft` or `opd` dataset) and, optionally,
 `features` for a soft-CE anchor on SFT data. Produces `opd` with the `sft` dataset's layout:
 `model.safetensors` + `drafter_config.json`, `draft_vocab.safetensors` copied unchanged from the
 drafter (the map is frozen since stage 2; replays of another map are refused), `metrics.parquet`
@@ -19,7 +20,7 @@ and its own chain keys), so anchors of one sequence train together. The target c
 the loss: teacher p_k = softmax(lm_head(teacher_hidden_k) / T) on the draft vocab, recomputed
 exactly through the frozen head from the replay's post-norm hidden states.
 A block drafter (DFlash, `Drafter.drafts_blocks`) reads no draft: each replay is the block at
-position e-1, an extra block of the sequence's one training forward (models/dflash/train.py).
+position e-1, an extra block of the sequence's one training forward (models/dflash/train.py, models/blocks.py).
 
 Losses (`loss`): "draft_opd" (forward KL on accepted proposals + gamma^k-decayed reverse KL on
 rejected ones; for a block drafter its block form, `models.losses.block_opd_loss`),
@@ -35,6 +36,14 @@ drafter forward: every non-anchor row already is an SFT row). A `features` input
 `features.mode=online` holds no hidden states: the target computes each anchor batch's inside
 the loop (as sft does; the summary's `online_features` counts the forwards).
 
+Online rollouts (meta `mode: online`, a run with `features.mode=online`) hold no hidden states
+either: the loaders compute each batch's (training items, replay and teacher-forced
+validation) with one target forward over its token rows on the training thread
+(`ReplayIndex.featurize`), rounded to bf16 as the cache stores them, so where that forward's
+padded width equals the rollout's (one sequence a batch in both) the drafter is the cached
+run's byte for byte. The replays' teacher_hidden is stored per replay slot in both modes. The
+next round's rollout of this drafter is online too (`featurize.trained_online`).
+
 Budget: every step logs `row_steps`, the drafter rows it ran forward and backward times the
 unrolled steps; `budget_row_steps` sets the number of optimizer steps so their sum reaches it
 (matched-compute comparisons, see pipeline/experiments/).
@@ -43,7 +52,8 @@ An empty `replays` dataset (a drafter that was never rejected) is a no-op: the o
 input drafter unchanged, with `"trained": false` in its summary, so a chain goes on.
 
 The loop is `pipeline.core.trainer.Trainer`, shared with `sft` (checkpoints with exact resume in
-`<root>/_work/opd/<version>/`, DDP or FSDP (`opd.fsdp`) under `torchrun`). Validation on held-out sequences (by
+`<root>/_work/opd/<version>/`, DDP or FSDP (`opd.fsdp`) under `torchrun`; online features are
+recomputed on resume, the same bytes). Validation on held-out sequences (by
 seq_id): the replay loss and per-step acceptance on their replays, and the teacher-forced
 acceptance / simulated tau on their rollout features (as `sft` reports it); with an optional
 `heldout` input, also the teacher-forced acceptance on those sequences (`heldout_*`, as `sft`
@@ -89,7 +99,7 @@ from pipeline.core.drafters import (
     write_drafter_dataset,
     written_summary,
 )
-from pipeline.core.featurize import is_online
+from pipeline.core.featurize import is_online, sequences_of
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from pipeline.core.trainer import METRICS_SCHEMA as TRAIN_METRICS_SCHEMA
@@ -190,12 +200,13 @@ def _fixed_width(batch: pa.RecordBatch, name: str) -> Tensor:
 
 @dataclass
 class ReplayBatch:
-    """Training items right-padded to [B, T]; their N replays as flat [N, K] arrays."""
+    """Training items right-padded to [B, T]; their N replays as flat [N, K] arrays. The hidden
+    states of online rollouts are None until `ReplayIndex.featurize` computes them."""
 
-    aux_hidden: Tensor  # [B, T, 3H] bf16
+    aux_hidden: Tensor | None  # [B, T, 3H] bf16
     input_ids: Tensor  # [B, T] int64
     loss_mask: Tensor  # [B, T] bool
-    last_hidden: Tensor  # [B, T, H] bf16
+    last_hidden: Tensor | None  # [B, T, H] bf16
     lengths: Tensor  # [B] rows each item unrolls
     item: Tensor  # [N] batch row of each replay
     anchor: Tensor  # [N] each replay's anchor e (its drafts follow the prefix y<e)
@@ -203,6 +214,7 @@ class ReplayBatch:
     accept_prob: Tensor  # [N, K] float32
     replay_length: Tensor  # [N] verified tokens of each replay (K, or up to a drafted EOS)
     teacher_hidden: Tensor  # [N, K, H] bf16
+    feature_rows: Tensor | None = None  # [B] each item's row in the rollouts' FeatureIndex
     share: float = 1.0  # this rank's share of the step's tokens (training.PaddedBatch.share)
 
     @property
@@ -233,10 +245,14 @@ class ReplayIndex:
     `lengths[i]` is the number of unroll rows item i needs: up to its last anchor's prefix (or the
     whole sequence when `full_sequences`, for a soft-CE on the rollout's own rows). `keys[i]` is
     the item's seq_id, so a held-out split keeps all samples of a sequence on one side.
+    Online rollouts (`features.mode=online`) hold no hidden states: `target` computes each
+    batch's in `featurize`, as `training.FeatureIndex` does for an online features dataset.
     """
 
-    def __init__(self, replays: Dataset, rollouts: Dataset, *, full_sequences: bool):
-        self.features = training.FeatureIndex(rollouts, FEATURE_COLUMNS)
+    def __init__(
+        self, replays: Dataset, rollouts: Dataset, *, full_sequences: bool, target: Any = None
+    ):
+        self.features = training.FeatureIndex(rollouts, FEATURE_COLUMNS, target=target)
         feature_row = {key: i for i, key in enumerate(self.features.keys)}
         seq_ids: list[str] = []
         anchors, samples, lengths_given = [], [], []
@@ -320,10 +336,10 @@ class ReplayIndex:
         replay = torch.from_numpy(np.concatenate([r for _, r, _ in items]))
         anchor = torch.from_numpy(np.concatenate([e for _, _, e in items]))
         return ReplayBatch(
-            aux_hidden=cols["aux_hidden"],
+            aux_hidden=cols.get("aux_hidden"),  # None: online rollouts, `featurize` fills it
             input_ids=ids,
             loss_mask=cols["loss_mask"].bool(),
-            last_hidden=cols["last_hidden"],
+            last_hidden=cols.get("last_hidden"),
             lengths=lengths,
             item=item,
             anchor=anchor,
@@ -331,7 +347,22 @@ class ReplayIndex:
             accept_prob=self.accept_prob[replay],
             replay_length=self.replay_length[replay],
             teacher_hidden=self.teacher_hidden[replay],
+            feature_rows=feats.rows,
         )
+
+    def featurize(self, batch: ReplayBatch) -> ReplayBatch:
+        """`batch` with its online rows' hidden states filled in: one target forward over the
+        batch's token rows [B, T] (`FeatureIndex.featurize`), on the training thread."""
+        if batch.aux_hidden is not None:  # cached rollouts: nothing to compute
+            return batch
+        padded = training.PaddedBatch(
+            {"input_ids": batch.input_ids},
+            torch.from_numpy(self.features.lengths[batch.feature_rows.numpy()]),
+            batch.feature_rows,
+        )
+        states = self.features.featurize(padded).columns
+        batch.aux_hidden, batch.last_hidden = states["aux_hidden"], states["last_hidden"]
+        return batch
 
 
 # -- the unroll and the losses ---------------------------------------------------------------
@@ -565,7 +596,7 @@ def _setup_data(
     (the anchor's, a held-out one) batch by batch."""
     replays, rollouts = inputs["replays"], inputs["rollouts"]
     ce_on_rollouts = cfg.ce_lambda > 0 and cfg.ce_source == "rollouts"
-    index = ReplayIndex(replays, rollouts, full_sequences=ce_on_rollouts)
+    index = ReplayIndex(replays, rollouts, full_sequences=ce_on_rollouts, target=target)
     bad = vocab.to_draft(index.tokens) < 0
     if bad.any():
         raise OpdError(
@@ -741,16 +772,18 @@ def _trained_summary(cfg: Config, data: _Data, result: TrainResult) -> dict:
 
 
 def _online_summary(inputs: dict[str, Dataset], data: _Data) -> dict:
-    """With online features (the anchor's or a held-out input): the trajectories the target
-    featurized and what it cost this run; empty when every feature was cached."""
+    """With online feature rows (the rollouts, the anchor's features or a held-out input): the
+    sequences the target featurized (a features dataset's trajectories; rollouts are their own)
+    and what it cost this run; empty when every feature was cached."""
     online = [ds for role, ds in sorted(inputs.items()) if is_online(ds)]
     if not online:
         return {}
-    indexes = [loader.index for loader in (data.anchor, data.heldout) if loader is not None]
+    loaders = (data.anchor, data.heldout)
+    indexes = [data.index.features, *(loader.index for loader in loaders if loader is not None)]
     return {
         "online_features": {
             "features": [str(ds.ref) for ds in online],
-            "trajectories": [ds.meta.get("trajectories") for ds in online],
+            "trajectories": [sequences_of(ds) for ds in online],
             "target_forwards_this_run": sum(i.target_forwards for i in indexes),
             "target_seconds_this_run": round(sum(i.target_seconds for i in indexes), 2),
         }

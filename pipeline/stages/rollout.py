@@ -10,7 +10,8 @@ at T=0) while the log records where the drafter failed. Produces `rollouts`, per
                               finish_reason (eos | length)
   features-{i:05d}.arrow      the `features` stage's schema (seq_id, input_ids, loss_mask,
                               aux_hidden [T, 3H] bf16, last_hidden [T, H] bf16), one target
-                              forward per batch, so sft/opd loaders read it unchanged
+                              forward per `batch_size` sequences sorted by length, so sft/opd
+                              loaders read it unchanged; online (below): the token columns only
   rejections-{i:05d}.parquet  the rejection log, one row per drafted token (REJECTIONS_SCHEMA;
                               one schema for every drafter kind, `drafter_kind` names it: a
                               DFlash block is logged as the chain the loop verified)
@@ -48,10 +49,21 @@ docs/drafters.md: draft trees). `confidence` is max_v q_v at the node's parent. 
 `run` (the run name the runner was given, `--run-name`) is not part of the version: a dataset
 reused by another run keeps the name of the run that computed it.
 
+Online rollouts (`features.mode=online`): when the drafter trained on online feature rows (an
+sft on an online features dataset, an opd on online rollouts; `featurize.trained_online`), or
+`rollout.features=online` says so, features-*.arrow hold only seq_id, input_ids and loss_mask
+(the online features dataset's `token_schema`, 5 bytes a token instead of 5 + 8H) and run no
+featurizing forward; `score` computes the hidden states of the sequences it replays, in these
+same batches, and opd's loaders those of each training batch. `rollout.features=cached`
+keeps them for a drafter trained online; unset, the setting is in no version. The verify
+forwards' teachers (`keep_teacher`) are per verify step, not per token, and stay as they are.
+
 Manifest meta: tau (mean accepted + 1 per verify step), alpha per offset (acceptance given the
-offset was reached; None where never reached), the target's identity, the drafter ref, round.
+offset was reached; None where never reached), the target's identity, the drafter ref, round;
+online also `mode: online` and `feature_batch_size` (the batches score featurizes in).
 Resumes: shards whose four (five) files are complete are skipped; a shard's sampling seed depends only
-on (seed, shard, batch), so any worker layout and any resume produce the same bytes.
+on (seed, shard, batch), so any worker layout and any resume produce the same bytes; online or
+cached is decided from the drafter's inputs and the config, the same on every resume.
 """
 
 from __future__ import annotations
@@ -73,7 +85,14 @@ from pipeline.core.checks import VOCAB_FILE
 from pipeline.core.config import DraftTree, StopConfidence, StrictConfig, optional_field
 from pipeline.core.decoders import check_tree_setting, decoder
 from pipeline.core.drafters import check_drafting_depth, load_drafter_dataset
-from pipeline.core.featurize import feature_schema, forward_batch
+from pipeline.core.featurize import (
+    ONLINE,
+    feature_schema,
+    length_batches,
+    sequence_features,
+    token_schema,
+    trained_online,
+)
 from pipeline.core.prompt_sets import select_prompts
 from pipeline.core.rollouts import TEACHER_FORMAT, shard_files, teacher_file
 from pipeline.core.runner import RunContext
@@ -165,6 +184,12 @@ class Config(StrictConfig):
     keep_teacher: bool | None = optional_field(
         "also write the verify forwards' teachers (teacher-*.arrow); set by score.source=logged"
     )
+    features: Literal["cached", "online"] | None = optional_field(
+        "cached: features-*.arrow hold the sequences' hidden states; online: only their tokens "
+        "(score and opd compute the states with the target). Unset: as the drafter's own "
+        "training data (sft on an online features dataset, opd on online rollouts), so "
+        "features.mode=online reaches every round with no other setting"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -203,9 +228,16 @@ def _merge_columns(out: dict[str, list], cols: dict[str, list], rows: list[int])
 
 
 def rollout_shard(
-    target: Target, drafter: Drafter, chunk: list[dict], shard: int, cfg: Config
+    target: Target,
+    drafter: Drafter,
+    chunk: list[dict],
+    shard: int,
+    cfg: Config,
+    *,
+    online: bool = False,
 ) -> dict[str, Any]:
-    """Decode one shard's prompts; return its sequences, features and logs as columns."""
+    """Decode one shard's prompts; return its sequences, features (none when `online`) and
+    logs as columns."""
     order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]["prompt_ids"]))
     generated: list[list[int]] = [[] for _ in chunk]
     reasons = [""] * len(chunk)
@@ -235,13 +267,10 @@ def rollout_shard(
 
     aux_rows: list[torch.Tensor | None] = [None] * len(chunk)
     last_rows: list[torch.Tensor | None] = [None] * len(chunk)
-    by_length = sorted(range(len(chunk)), key=lambda j: len(sequences[j]))
-    for b in range(0, len(by_length), cfg.batch_size):
-        idx = by_length[b : b + cfg.batch_size]
-        aux, last = forward_batch(target, [sequences[j] for j in idx])
-        for r, j in enumerate(idx):
-            n = len(sequences[j])
-            aux_rows[j], last_rows[j] = aux[r, :n], last[r, :n]
+    if not online:  # online: score and opd compute them (in these batches, for score)
+        batches = length_batches([len(s) for s in sequences], cfg.batch_size)
+        for j, aux, last in sequence_features(target, sequences, batches):
+            aux_rows[j], last_rows[j] = aux, last
 
     # Records come grouped by batch; the log is written per sequence, in step and offset order.
     n_rec = len(records.get("sequence", []))
@@ -290,6 +319,7 @@ def _write_shard(
     drafter_ref: str,
     kind: str,
     hidden: int,
+    online: bool,
 ) -> None:
     seq_file, feat_file, rej_file, steps_file = shard_files(i)
     masks = [
@@ -310,7 +340,12 @@ def _write_shard(
             schema=SEQUENCES_SCHEMA,
         ),
     )
-    schema = feature_schema(hidden)
+    schema = token_schema() if online else feature_schema(hidden)
+    hidden_states = [
+        tensor_array(out[key], schema.field(name))
+        for key, name in (("aux", "aux_hidden"), ("last", "last_hidden"))
+        if name in schema.names
+    ]
     output.write_ipc(
         feat_file,
         pa.table(
@@ -318,8 +353,7 @@ def _write_shard(
                 pa.array(seq_ids, pa.string()),
                 pa.array(out["sequences"], pa.list_(pa.int32())),
                 pa.array(masks, pa.list_(pa.int8())),
-                tensor_array(out["aux"], schema.field("aux_hidden")),
-                tensor_array(out["last"], schema.field("last_hidden")),
+                *hidden_states,  # none when online
             ],
             schema=schema,
         ),
@@ -475,6 +509,7 @@ def run(
     check_tree_setting(target, cfg.tree, [p["prompt_ids"] for p in prompts], cfg.max_new_tokens)
     check_drafting_depth(drafter_ds, cfg.k if cfg.tree is None else cfg.tree.depth)
     drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
+    online = cfg.features == ONLINE if cfg.features else trained_online(drafter_ds)
     seq_ids = _seq_ids(prompts)
     if rank == 0 and not output.has_shard(VOCAB_FILE):
         output.write_file(VOCAB_FILE, drafter_ds.file(VOCAB_FILE))
@@ -487,7 +522,7 @@ def run(
             bar.update()
             continue
         lo, hi = i * cfg.rows_per_shard, (i + 1) * cfg.rows_per_shard
-        out = rollout_shard(target, drafter, prompts[lo:hi], i, cfg)
+        out = rollout_shard(target, drafter, prompts[lo:hi], i, cfg, online=online)
         _write_shard(
             output,
             i,
@@ -499,6 +534,7 @@ def run(
             str(drafter_ds.ref),
             drafter.kind,
             target.hidden_size,
+            online,
         )
         bar.update()
     bar.close()
@@ -516,12 +552,16 @@ def run(
         meta["rejected"],
         meta["drafted"],
     )
-    return meta | {
-        "target": identity,
-        "drafter": str(drafter_ds.ref),
-        "drafter_kind": drafter.kind,
-        "shards": n_shards,
-    }
+    return (
+        meta
+        | {
+            "target": identity,
+            "drafter": str(drafter_ds.ref),
+            "drafter_kind": drafter.kind,
+            "shards": n_shards,
+        }
+        | ({"mode": ONLINE, "feature_batch_size": cfg.batch_size} if online else {})
+    )
 
 
 STAGE = Stage(

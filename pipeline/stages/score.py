@@ -31,6 +31,14 @@ block (at position e-1, over the context before it) in one forward. Then the tar
 every replayed token of the sequence in ONE tree-masked forward (`Target.score_tree`: the
 sequence once plus E x n x K branch tokens), instead of one full-prefix forward per anchor.
 
+Online rollouts (`features.mode=online`: features-*.arrow hold tokens only, meta `mode: online`)
+carry no target features: score computes them (aux [T, 3H], last [T, H], rounded to bf16 as
+the cache stores them) in the batches a cached rollout would have (sorted by length,
+`feature_batch_size` at a time, `featurize.length_batches`), one target forward per batch that
+holds a replayed sequence, batches without one skipped. Same batches, same padded width, so
+the replays are byte for byte those of the cached rollout; the cost is the rollout's own
+featurizing forward, moved here (the meta's `online_features` counts them).
+
 Output, per rollout shard i, `replays-{i:05d}.arrow` (Arrow IPC, one row per (sequence,
 anchor, sample), in sequence, anchor, sample order; schema `replay_schema(H)`):
   seq_id, shard (the rollout features shard holding the sequence), row (its row in that shard),
@@ -42,7 +50,10 @@ anchor, sample), in sequence, anchor, sample order; schema `replay_schema(H)`):
   drafted EOS: a decoder ends the block there, so later tokens are never verified),
   teacher_hidden [K, H] bf16 (the target's post-norm last hidden at the state predicting
   y-hat_k: softmax(lm_head(teacher_hidden_k) / T) is the target's FULL distribution there).
-Plus `draft_vocab.safetensors`, copied unchanged. Resumes: completed shards are skipped.
+  It is kept in both modes: K x 2H bytes per replay row (anchor), not per sequence token.
+Plus `draft_vocab.safetensors`, copied unchanged. Resumes: completed shards are skipped; a
+shard's replays depend only on its rollout shard and the seeds (online: on the same batches
+recomputed), so a resumed run writes the same bytes.
 
 `source=logged` (it sets `rollout.keep_teacher`) keeps the blocks the rollout drafted instead of
 drafting new ones: a replay is one verify step's block (chains and DFlash blocks; not trees),
@@ -59,7 +70,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -84,6 +95,7 @@ from pipeline.core.checks import (
 )
 from pipeline.core.config import DraftTree, StrictConfig, optional_field
 from pipeline.core.drafters import drafter_kind, load_drafter_dataset
+from pipeline.core.featurize import is_online, length_batches, sequence_features
 from pipeline.core.rollouts import shard_files, teacher_file
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
@@ -272,48 +284,77 @@ def _log_positions(rollouts: Dataset, shard: str) -> dict[str, tuple[list[int], 
     }
 
 
-def score_shard(
-    target: Target, drafter: Drafter, rollouts: Dataset, i: int, cfg: Config
-) -> pa.Table:
-    """All replays of rollout shard i, as one table of `replay_schema`."""
-    _, feat_shard, rej_shard, _ = shard_files(i)
+def _sequence_anchors(
+    rollouts: Dataset, rej_shard: str, seq_ids: list[str], cfg: Config
+) -> list[list[tuple[int, str]]]:
+    """Each sequence's (position, kind) anchors, in the shard's row order."""
     positions = _log_positions(rollouts, rej_shard)
-    schema = replay_schema(target.hidden_size)
-    cols: dict[str, list] = {name: [] for name in schema.names}
+    out = []
+    for seq_id in seq_ids:
+        rejected, accepted = positions.get(seq_id, ([], []))
+        out.append(
+            select_anchors(
+                rejected, accepted, cfg, np.random.default_rng(_seed_of(cfg.seed, seq_id))
+            )
+        )
+    return out
+
+
+def _cached_features(rollouts: Dataset, feat_shard: str) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """(row, aux [T, 3H], last [T, H]) of every sequence, as the rollout stored them."""
     row0 = 0
     for batch in rollouts.ipc_batches(feat_shard):
         aux, offsets = read_tensor_column(
             batch.column("aux_hidden"), batch.schema.field("aux_hidden")
         )
         last, _ = read_tensor_column(batch.column("last_hidden"), batch.schema.field("last_hidden"))
-        for r, (seq_id, ids) in enumerate(
-            zip(
-                batch.column("seq_id").to_pylist(),
-                batch.column("input_ids").to_pylist(),
-                strict=True,
-            )
-        ):
-            rejected, accepted = positions.get(seq_id, ([], []))
-            rng = np.random.default_rng(_seed_of(cfg.seed, seq_id))
-            anchors = select_anchors(rejected, accepted, cfg, rng)
-            if not anchors:
-                continue
-            gen = torch.Generator(device=target.device).manual_seed(_seed_of(cfg.seed + 1, seq_id))
+        for r in range(batch.num_rows):
             rows = slice(offsets[r], offsets[r + 1])
-            features = Features(torch.tensor(ids), aux[rows], last[rows])
-            out = score_sequence(target, drafter, features, [e for e, _ in anchors], cfg, gen)
-            reps = len(anchors) * cfg.samples
-            cols["seq_id"] += [seq_id] * reps
-            cols["shard"] += [feat_shard] * reps
-            cols["row"] += [row0 + r] * reps
-            cols["anchor"] += [e for e, _ in anchors for _ in range(cfg.samples)]
-            cols["kind"] += [kind for _, kind in anchors for _ in range(cfg.samples)]
-            cols["sample"] += list(range(cfg.samples)) * len(anchors)
-            for name in ("tokens", "logq", "p_token", "accept_prob", "reach_prob", "length"):
-                cols[name] += out[name].tolist()
-            cols["teacher_hidden"] += list(out["teacher_hidden"])
+            yield row0 + r, aux[rows], last[rows]
         row0 += batch.num_rows
-    return _replay_table(cols, schema)
+
+
+def score_shard(
+    target: Target, drafter: Drafter, rollouts: Dataset, i: int, cfg: Config
+) -> tuple[pa.Table, int]:
+    """All replays of rollout shard i, as one table of `replay_schema`, and the target
+    forwards it ran to compute the sequences' features (0 when the rollout cached them)."""
+    _, feat_shard, rej_shard, _ = shard_files(i)
+    tokens = rollouts.read_ipc(feat_shard).select(["seq_id", "input_ids"])
+    seq_ids = [str(s) for s in tokens.column("seq_id").to_pylist()]
+    seqs = tokens.column("input_ids").to_pylist()
+    anchors = _sequence_anchors(rollouts, rej_shard, seq_ids, cfg)
+    wanted = {r for r, a in enumerate(anchors) if a}
+    if is_online(rollouts):
+        # The rollout's own batches (those holding an anchored sequence): the bytes it caches.
+        batch_size = int(rollouts.meta.get("feature_batch_size", 1))
+        batches = length_batches([len(s) for s in seqs], batch_size)
+        batches = [idx for idx in batches if wanted.intersection(idx)]
+        features, forwards = sequence_features(target, seqs, batches), len(batches)
+    else:
+        features, forwards = _cached_features(rollouts, feat_shard), 0
+    replays: dict[int, dict[str, Any]] = {}  # row -> its replays; scored in any row order
+    for r, aux, last in features:
+        if r not in wanted:
+            continue
+        seq_id = seq_ids[r]
+        gen = torch.Generator(device=target.device).manual_seed(_seed_of(cfg.seed + 1, seq_id))
+        seq = Features(torch.tensor(seqs[r]), aux, last)
+        replays[r] = score_sequence(target, drafter, seq, [e for e, _ in anchors[r]], cfg, gen)
+    schema = replay_schema(target.hidden_size)
+    cols: dict[str, list] = {name: [] for name in schema.names}
+    for r in sorted(replays):  # written in sequence, anchor, sample order
+        out, n = replays[r], len(anchors[r]) * cfg.samples
+        cols["seq_id"] += [seq_ids[r]] * n
+        cols["shard"] += [feat_shard] * n
+        cols["row"] += [r] * n
+        cols["anchor"] += [e for e, _ in anchors[r] for _ in range(cfg.samples)]
+        cols["kind"] += [kind for _, kind in anchors[r] for _ in range(cfg.samples)]
+        cols["sample"] += list(range(cfg.samples)) * len(anchors[r])
+        for name in ("tokens", "logq", "p_token", "accept_prob", "reach_prob", "length"):
+            cols[name] += out[name].tolist()
+        cols["teacher_hidden"] += list(out["teacher_hidden"])
+    return _replay_table(cols, schema), forwards
 
 
 def _replay_table(cols: dict[str, list], schema: pa.Schema) -> pa.Table:
@@ -460,6 +501,7 @@ def run(
 
     n_shards = len([s for s in rollouts.shards("ipc") if s.startswith("features-")])
     mine = [i for i in range(n_shards) if i % world_size == rank]
+    forwards = 0  # online rollouts: target forwards that computed their features, this rank
     for i in tqdm(mine, desc="score", unit="shard", disable=not ctx.progress):
         name = f"replays-{i:05d}.arrow"
         if output.has_shard(name):
@@ -467,12 +509,19 @@ def run(
         if cfg.source == "logged":
             output.write_ipc(name, logged_shard(rollouts, i, cfg, target.hidden_size))
         else:
-            output.write_ipc(name, score_shard(target, drafter, rollouts, i, cfg))
+            table, n = score_shard(target, drafter, rollouts, i, cfg)
+            output.write_ipc(name, table)
+            forwards += n
     if rank != 0:
         return {}
     if world_size > 1:
         output.wait_for_ranks()
     meta = summarize(output, cfg)
+    if is_online(rollouts) and cfg.source != "logged":
+        meta["online_features"] = {
+            "rollouts": str(rollouts.ref),
+            "target_forwards_this_run": forwards,
+        }
     if meta["anchors"] == 0:
         log.warning(
             "[score] %s has no rejected drafts: the drafter was never rejected, so there is "

@@ -8,10 +8,11 @@ held-out prompts by the starting drafter, so it carries the same vocab map) make
 validation also log the teacher-forced acceptance on them as `heldout_*` (over drafting.k
 steps, as `opd` logs it), starting at step 0, so runs of both stages are compared on the same
 sequences.
-A features input made with `features.mode=online` holds tokens and the vocab map only: each
-training and validation batch's hidden states are then computed by the target inside the loop
-(one forward per batch, rounded to bf16 as the features stage stores them), and the summary's
-`online_features` names the trajectories they came from and counts the forwards. A resumed run
+A features input made with `features.mode=online` (or rollouts of such a run) holds tokens
+and the vocab map only: each training and validation batch's hidden states are then computed by
+the target inside the loop (one forward per batch, rounded to bf16 as the features stage stores
+them), and the summary's `online_features` names the sequences they came from (a features
+dataset's trajectories, or the rollouts) and counts the forwards. A resumed run
 recomputes the same numbers, so resume stays exact.
 Produces `sft`, a drafter dataset (layout in `pipeline.core.drafters`; the draft-vocab map is
 copied unchanged from the features).
@@ -57,7 +58,7 @@ from pipeline.core.drafters import (
     write_drafter_dataset,
     written_summary,
 )
-from pipeline.core.featurize import is_online
+from pipeline.core.featurize import is_online, sequences_of
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from pipeline.core.trainer import (
@@ -347,7 +348,7 @@ def _online_summary(
     return {
         "online_features": {
             "features": [str(ds.ref) for ds in online],
-            "trajectories": [ds.meta.get("trajectories") for ds in online],
+            "trajectories": [sequences_of(ds) for ds in online],
             "target_forwards_this_run": sum(i.target_forwards for i in indexes),
             "target_seconds_this_run": round(sum(i.target_seconds for i in indexes), 2),
         }

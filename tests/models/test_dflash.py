@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 import models.verify as verify
+from models.blocks import block_loss
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.dflash.drafter import DFlashDrafter
 from models.dflash.export import export_dflash
@@ -23,7 +24,7 @@ from models.dflash.model import (
     block_attention,
     default_mask_token,
 )
-from models.dflash.train import block_loss, block_unroll, choose_anchors
+from models.dflash.train import block_unroll, choose_anchors
 from models.drafter import ChainShape, TreeShape
 from models.drafters import load_drafter, recorded_kind, recorded_settings, save_drafter
 from models.features import Features

@@ -1,0 +1,186 @@
+"""Medusa as a drafter kind: the heads of models/medusa/model.py behind the `Drafter` interface
+(its proposals in propose.py, its training forward in train.py).
+
+Medusa reads only the target's last hidden state, never its embedding or aux layers: it is no
+`FrozenEmbeddingDrafter`, and a checkpoint is the heads plus the draft vocabulary's map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.acceptance import AcceptanceStats
+from models.blocks import BlockUnroll, block_acceptance, block_replay_logits, sft_block_loss
+from models.drafter import ExportTarget, Proposer, ServableDrafter, Shape, TrainableDrafter
+from models.export_format import ExportError
+from models.medusa.export import export_medusa, read_medusa_export
+from models.medusa.model import DEFAULT_HEADS, DEFAULT_LAYERS, MedusaConfig, MedusaHeads
+from models.medusa.propose import MedusaProposer
+from models.medusa.train import heads_unroll, replay_heads
+from models.vocab import DraftVocab
+
+SETTINGS = {"heads": DEFAULT_HEADS, "layers": DEFAULT_LAYERS}
+CONFIG_FIELDS = {"heads": "num_heads", "layers": "num_layers"}
+"""Each setting's field in MedusaConfig."""
+
+
+class MedusaDrafter(MedusaHeads, TrainableDrafter, ServableDrafter):
+    # The training forwards are train.py's functions, the drafter first.
+    replay = replay_heads
+    unroll = heads_unroll
+
+    # -- building -------------------------------------------------------------------------
+
+    @classmethod
+    def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> MedusaDrafter:
+        drafter = cls(cls._config(target, vocab.draft_vocab_size, settings), vocab)
+        drafter.start_from_target_head(target.lm_head_weight)
+        return drafter
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
+        cls._config(target, target.vocab_size, settings)
+
+    @classmethod
+    def settings_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: config.get(field, SETTINGS[name]) for name, field in CONFIG_FIELDS.items()}
+
+    @staticmethod
+    def _config(target: Any, draft_vocab_size: int, settings: Mapping[str, Any]) -> MedusaConfig:
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(
+                f"unknown Medusa drafter settings {unknown}; Medusa takes {sorted(SETTINGS)}"
+            )
+        given = SETTINGS | dict(settings)
+        return MedusaConfig(
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            num_heads=given["heads"],
+            num_layers=given["layers"],
+        )
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config: Mapping[str, Any],
+        embed_weight: Tensor | None,
+        tensors: Mapping[str, Tensor],
+        source: str,
+    ) -> MedusaDrafter:
+        cfg = MedusaConfig.from_dict(dict(config))
+        for name in ("d2t", "t2d"):
+            if name not in tensors:
+                raise ValueError(
+                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
+                )
+        drafter = cls(cfg, DraftVocab(tensors["d2t"], tensors["t2d"]))
+        expected = drafter.tensors()
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{source}: missing tensors {missing}, unexpected tensors {unexpected}"
+            )
+        for name, t in tensors.items():
+            if t.shape != expected[name].shape:
+                raise ValueError(
+                    f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                    f"{tuple(expected[name].shape)}"
+                )
+        drafter.to(dtype=tensors["heads.0.weight"].dtype)
+        drafter.load_state_dict(dict(tensors))
+        device = embed_weight.device if embed_weight is not None else torch.device("cpu")
+        return drafter.to(device)  # beside the target, whose states it reads
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {name: t.detach().contiguous() for name, t in self.state_dict().items()}
+
+    def untrained(self) -> MedusaDrafter:
+        # Fresh random heads: Medusa's own start (`new`) copies the target's head, which the
+        # untrained contrast does not have at hand.
+        fresh = type(self)(self.config, self.vocab)
+        return fresh.to(self.heads[0].weight.device)
+
+    def check_target(self, target: Any) -> None:
+        cfg = self.config
+        pairs = [
+            ("vocab size", cfg.vocab_size, target.vocab_size),
+            ("vocab map (t2d) size", self.t2d.numel(), target.vocab_size),
+            ("hidden size", cfg.hidden_size, target.hidden_size),
+        ]
+        for name, theirs, ours in pairs:
+            if theirs != ours:
+                raise ValueError(
+                    f"drafter does not match the target: drafter {name} is {theirs}, target's "
+                    f"is {ours}; use the drafter trained for this target"
+                )
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def proposer(
+        self, shape: Shape, temperature: float, generator: torch.Generator, timer: Any
+    ) -> Proposer:
+        return MedusaProposer(self, shape, temperature, generator, timer)
+
+    # -- training -------------------------------------------------------------------------
+
+    def sft_loss(
+        self,
+        out: BlockUnroll,
+        teacher: Tensor,
+        last_hidden: Tensor,
+        *,
+        decay: float,
+        objective: str | None = None,
+    ) -> Tensor:
+        # Medusa-1's loss: per-head CE against the target, head k weighted decay^(k-1)
+        return sft_block_loss(out, teacher, decay)
+
+    def acceptance(
+        self, out: BlockUnroll, target_logits: Tensor, *, chain_k: int, expected: bool = True
+    ) -> AcceptanceStats:
+        return block_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
+
+    def replay_logits(self, out: BlockUnroll, item: Tensor, anchor: Tensor) -> Tensor:
+        return block_replay_logits(out, anchor)
+
+    def rollout_ce_loss(
+        self, out: BlockUnroll, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
+    ) -> Tensor:
+        # Heads read only the target's states: every teacher-forced position is ground truth.
+        return sft_block_loss(out, teacher, decay)
+
+    # -- serving --------------------------------------------------------------------------
+
+    def write_export(
+        self, fmt: str, out_dir: Path, target: ExportTarget, *, k: int, verifier: str | None
+    ) -> Path:
+        if k > self.config.num_heads:  # vLLM builds k heads and finds no weights for the rest
+            raise ExportError(
+                f"vLLM serves one drafted token per Medusa head: {k} drafted tokens need {k} "
+                f"heads, this drafter has {self.config.num_heads}; lower --k"
+            )
+        return export_medusa(
+            self, out_dir, target_config=target.config, target_identity=target.identity
+        )
+
+    @classmethod
+    def read_export(cls, export_dir: Path, embed_weight: Tensor | None) -> MedusaDrafter:
+        config, tensors = read_medusa_export(export_dir)
+        try:
+            return cls.from_tensors(config.to_dict(), embed_weight, tensors, str(export_dir))
+        except ValueError as err:  # a tensor set or shape that does not fit the config
+            raise ExportError(str(err)) from None
+
+    @torch.no_grad()
+    def probe_logits(self, seed: int) -> Tensor:
+        g = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(2, 5, self.config.hidden_size, generator=g)  # [B, T, H]
+        return self(hidden.to(self.heads[0].weight.device))  # [B, T, N, Vd]
