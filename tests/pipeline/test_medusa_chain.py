@@ -35,6 +35,12 @@ def test_the_full_chain_trains_and_evaluates_a_medusa_drafter(tmp_path):
     evaluated = store.open("eval@latest").meta
     assert evaluated["tau"] >= 1.0 and "acceptance" not in evaluated  # lossless: the default
     assert evaluated["lossless_t0"] is True
+    # Draft-OPD's block form: a loss that fits every replayed slot to a teacher that read a
+    # rejected draft does not apply to heads that never read drafts, and says so in one line
+    refused = _run(tmp_path, "run", "full", *TINY, "--set", "drafter.kind=medusa",
+                   "--set", "opd.loss=tv")  # fmt: skip
+    assert refused.exit_code != 0
+    assert "does not apply to a block drafter" in refused.output.strip().splitlines()[-1]
 
 
 def test_typical_acceptance_is_refused_for_rollout_and_score_before_any_work(tmp_path):

@@ -23,11 +23,14 @@ pytestmark = [
 ]
 
 
+# A block of K+1: vLLM feeds [bonus, K mask tokens], the block the drafter was trained on. 16
+# training anchors per sequence instead of 256: measured on these 256 trajectories, 80 steps
+# reach the same held-out tau (1.23 vs 1.24 with the target's head) in a third of the time.
+DFLASH = ["drafter.kind=dflash", f"drafter.block_size={K + 1}", "drafter.anchors=16"]
+
+
 def _dflash_sft(embedded: Embedded, generated: Dataset, *sets: str) -> Dataset:
-    # a block of K+1: vLLM feeds [bonus, K mask tokens], the block the drafter was trained on
-    cfg = load_config(
-        "default", None, [*SETS, "drafter.kind=dflash", f"drafter.block_size={K + 1}", *sets]
-    )
+    cfg = load_config("default", None, [*SETS, *DFLASH, *sets])
     ctx = embedded.ctx
     feats = run_stage(features.STAGE, cfg.features, {"trajectories": generated}, ctx).dataset
     return run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
@@ -60,9 +63,9 @@ def test_a_dflash_export_speculates_losslessly_in_vllm(
     print(json.dumps({k: stats[k] for k in keys}))
     assert stats["vllm_lossless"] == 1.0  # vLLM's speculative output equals its plain greedy
     assert stats["vllm_matches_project"] >= 0.9
-    # Blocks must get accepted, so a format mistake shows as a tau collapse; a frozen target head
-    # leaves the CI-sized 80 steps fewer weights to fit, hence its lower floor.
-    assert stats["vllm_drafts"] > 0 and stats["tau"] > {"draft": 1.2, "target": 1.15}[head]
+    # Blocks must get accepted, so a format mistake shows as a tau collapse (to ~1.0: nothing
+    # accepted); the CI-sized drafters reach 1.21 (draft head) and 1.23 (target head) here.
+    assert stats["vllm_drafts"] > 0 and stats["tau"] > 1.12
     assert abs(stats["tau_vllm"] / stats["tau"] - 1) <= 0.10
 
 
