@@ -167,17 +167,6 @@ def test_serve_full_deployment_and_single_stage_rerun(prefect_env):
         assert {"score-r1", "opd-r1", "rollout-r2", "score-r2", "opd-r2", "evaluate"} <= changed
         assert last_rollout != store.resolve("rollouts@run:ci")
 
-        # the DFlash student through the same deployment: its own sft, opd rounds, eval, export
-        run = _deploy_run(
-            env, "profile=tiny", "run_name=dflash", 'overrides=["drafter.kind=dflash"]'
-        )
-        assert run.returncode == 0, run.stdout + run.stderr
-        made = json.loads((root / "_runs" / "dflash.json").read_text())["datasets"]
-        assert store.open(made["sft"]).meta["drafter_kind"] == "dflash"
-        assert made["opd-r2"] != produced["opd-r2"]
-        exported = root / "_exports" / made["opd"].replace("@", "-") / "dflash" / "config.json"
-        assert json.loads(exported.read_text())["architectures"] == ["DFlashDraftModel"]
-
         # bad parameters fail at once, naming the parameter
         run = _deploy_run(env, "profile=nope", timeout=300)
         assert run.returncode != 0 and "profile" in (run.stdout + run.stderr)

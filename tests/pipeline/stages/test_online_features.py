@@ -144,7 +144,9 @@ def test_online_opd_anchor_trains_on_no_features_cache_as_on_the_cache(both):
 
 def _opd_cli(root: Path, *args: str) -> subprocess.Popen:
     env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        # one thread, as this process (tests/conftest.py): bytes are compared across the two
+        "OMP_NUM_THREADS": "1",
     }
     return subprocess.Popen(
         [sys.executable, "-m", "cli.main", "--root", str(root), *args],
