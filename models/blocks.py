@@ -6,7 +6,8 @@ A block at anchor position a drafts x_{a+1}, ..., x_{a+K} (slot k drafts x_{a+k}
 teacher is the target's distribution at position a+k-1. `BlockUnroll` holds one training
 forward's blocks, and the functions below are its loss, its teacher-forced acceptance and its
 logits along replays; each kind builds its blocks its own way (models/dflash/train.py,
-models/medusa/train.py).
+models/medusa/train.py). A block's slots are also drafted alike, in decoding (`block_chain`) and
+in replays (`block_replay`): each slot from its own q, which no earlier draft changes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from models.acceptance import AcceptanceStats
+from models.drafter import Proposal, Replayed
 from models.losses import acceptance_rate, soft_cross_entropy, teacher_draft_probs
 from models.vocab import DraftVocab
 
@@ -91,3 +93,52 @@ def block_replay_logits(out: BlockUnroll, anchor: Tensor) -> Tensor:
     if out.replayed is None or len(out.replayed) != len(anchor):
         raise ValueError("replay_logits needs the unroll that was given these replays")
     return out.replayed
+
+
+def block_chain(
+    logits: Tensor, temperature: float, generator: torch.Generator, to_target: Tensor
+) -> Proposal:
+    """One verify step's block as the loop's chain: logits [B, K, Vd] of the drafted slots ->
+    K drafts, the argmax at T=0, else a sample of each slot's own q = softmax(logits / T) (no
+    slot reads the drafts before it, so the loop's Leviathan test on each is exact).
+    to_target [Vd]: each draft id's target id."""
+    if temperature == 0:
+        ids = logits.argmax(-1)  # [B, K]
+        confidence = logits.softmax(-1).amax(-1)
+        q_tok, dists = torch.ones_like(confidence), None
+    else:
+        q = torch.softmax(logits / temperature, dim=-1)  # [B, K, Vd]
+        flat = q.reshape(-1, q.shape[-1])
+        ids = torch.multinomial(flat, 1, generator=generator).view(q.shape[:2])  # [B, K]
+        q_tok, confidence = q.gather(-1, ids[..., None])[..., 0], q.amax(-1)
+        dists = list(q.unbind(1))  # K of [B, Vd]
+    return Proposal(
+        tokens=to_target[ids],
+        q=q_tok,
+        confidence=confidence,
+        forwards=1,
+        dists=dists,
+        vocab_map=to_target,
+        # one forward drafts every slot: a confidence stop reads each slot on its own
+        joint_confidence=False,
+    )
+
+
+def block_replay(
+    logits: Tensor, temperature: float, generator: torch.Generator | None, vocab: DraftVocab
+) -> Replayed:
+    """The drafts of C replayed blocks from their logits [C, K, Vd]: each slot's argmax at T=0,
+    else a sample of its own q = softmax(logits / T) with `generator`."""
+    C, k = logits.shape[:2]
+    log_q = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # [C, K, Vd]
+    if temperature == 0:
+        draft, logq = logits.argmax(-1), torch.zeros(C, k, device=logits.device)
+    else:
+        flat = log_q.exp().reshape(C * k, -1)
+        draft = torch.multinomial(flat, 1, generator=generator).view(C, k)  # [C, K]
+        logq = log_q.gather(-1, draft[..., None])[..., 0]
+    return Replayed(
+        tokens=vocab.to_target(draft),
+        logq=logq,
+        confidence=log_q.amax(-1).exp(),
+    )

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from models.blocks import block_chain
 from models.dflash.model import DFlashModel
 from models.drafter import ChainShape, Proposal, Shape
 from models.features import Features
@@ -81,27 +82,4 @@ class DFlashProposer:
                 self.valid[:, None],  # [B, 1, S]
                 int(budget.max()),
             )[:, 0]  # [B, K, Vd]
-        return self._drafts(logits)
-
-    def _drafts(self, logits: Tensor) -> Proposal:
-        """Logits [B, K, Vd] of the drafted slots -> a chain of K drafts."""
-        if self.temperature == 0:
-            ids = logits.argmax(-1)  # [B, K]
-            confidence = logits.softmax(-1).amax(-1)
-            q_tok, dists = torch.ones_like(confidence), None
-        else:
-            q = torch.softmax(logits / self.temperature, dim=-1)  # [B, K, Vd]
-            flat = q.reshape(-1, q.shape[-1])
-            ids = torch.multinomial(flat, 1, generator=self.gen).view(q.shape[:2])  # [B, K]
-            q_tok, confidence = q.gather(-1, ids[..., None])[..., 0], q.amax(-1)
-            dists = list(q.unbind(1))  # K of [B, Vd]
-        return Proposal(
-            tokens=self.to_target[ids],
-            q=q_tok,
-            confidence=confidence,
-            forwards=1,
-            dists=dists,
-            vocab_map=self.to_target,
-            # one forward drafts every slot: a confidence stop reads each slot on its own
-            joint_confidence=False,
-        )
+        return block_chain(logits, self.temperature, self.gen, self.to_target)

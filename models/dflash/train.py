@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.blocks import BlockUnroll
+from models.blocks import BlockUnroll, block_replay
 from models.dflash.model import DFlashModel
 from models.drafter import Replayed
 from models.features import Features, replay_inputs
@@ -114,7 +114,6 @@ def replay_blocks(
     device = drafter.fc.weight.device
     most = drafter.config.block_size - 1
     ids, aux_hidden, anchors = replay_inputs(features, anchors, k, device, most)
-    C = anchors.numel()
     starts = anchors - 1  # [C] block positions
     width = int(starts.max())
     positions = torch.arange(width, device=device)
@@ -122,15 +121,4 @@ def replay_blocks(
     visible = (positions < starts[:, None])[None]  # [1, C, S]
     blocks = drafter.block_tokens(ids[starts][None])  # [1, C, B]
     logits = drafter(blocks, starts[None], context, visible, k)[0]  # [C, K, Vd]
-    log_q = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # [C, K, Vd]
-    if temperature == 0:
-        draft, logq = logits.argmax(-1), torch.zeros(C, k, device=device)
-    else:
-        flat = log_q.exp().reshape(C * k, -1)
-        draft = torch.multinomial(flat, 1, generator=generator).view(C, k)  # [C, K]
-        logq = log_q.gather(-1, draft[..., None])[..., 0]
-    return Replayed(
-        tokens=drafter.vocab.to_target(draft),
-        logq=logq,
-        confidence=log_q.amax(-1).exp(),
-    )
+    return block_replay(logits, temperature, generator, drafter.vocab)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from models.blocks import block_chain
 from models.drafter import Proposal, Shape, TreeShape
 from models.features import Features
 from models.medusa.model import MedusaHeads
@@ -100,30 +101,8 @@ class MedusaProposer:
         with self.timer("drafter"):
             logits = self.drafter(hidden, depth).float()  # [B, K, Vd]
         if self.tree is None:
-            return self._chain(logits)
+            return block_chain(logits, self.temperature, self.gen, self.to_target)
         return self._tree(logits, [path for path in self.tree if len(path) <= depth])
-
-    def _chain(self, logits: Tensor) -> Proposal:
-        """Logits [B, K, Vd] -> a chain of K drafts, node i from head i."""
-        if self.temperature == 0:
-            ids = logits.argmax(-1)  # [B, K]
-            confidence = logits.softmax(-1).amax(-1)
-            q_tok, dists = torch.ones_like(confidence), None
-        else:
-            q = torch.softmax(logits / self.temperature, dim=-1)  # [B, K, Vd]
-            flat = q.reshape(-1, q.shape[-1])
-            ids = torch.multinomial(flat, 1, generator=self.gen).view(q.shape[:2])  # [B, K]
-            q_tok, confidence = q.gather(-1, ids[..., None])[..., 0], q.amax(-1)
-            dists = list(q.unbind(1))  # K of [B, Vd]
-        return Proposal(
-            tokens=self.to_target[ids],
-            q=q_tok,
-            confidence=confidence,
-            forwards=1,
-            dists=dists,
-            vocab_map=self.to_target,
-            joint_confidence=False,  # each head's confidence stands alone
-        )
 
     def _tree(self, logits: Tensor, tree: list[tuple[int, ...]]) -> Proposal:
         """Logits [B, K, Vd] -> the static tree's N nodes (`tree`, rank paths of at most K

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.blocks import BlockUnroll
+from models.blocks import BlockUnroll, block_replay
 from models.drafter import Replayed
 from models.features import Features, replay_inputs
 from models.medusa.model import MedusaHeads
@@ -77,18 +77,6 @@ def replay_heads(
     T=0 drafts each head's argmax; T>0 samples each from its own q = softmax(logits / T)."""
     device = drafter.heads[0].weight.device
     _, _, anchors = replay_inputs(features, anchors, k, device, drafter.config.num_heads)
-    C = anchors.numel()
     hidden = _last_hidden(features).to(device)[anchors - 2]  # [C, H]
     logits = drafter(hidden, k).float()  # [C, K, Vd]
-    log_q = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # [C, K, Vd]
-    if temperature == 0:
-        draft, logq = logits.argmax(-1), torch.zeros(C, k, device=device)
-    else:
-        flat = log_q.exp().reshape(C * k, -1)
-        draft = torch.multinomial(flat, 1, generator=generator).view(C, k)  # [C, K]
-        logq = log_q.gather(-1, draft[..., None])[..., 0]
-    return Replayed(
-        tokens=drafter.vocab.to_target(draft),
-        logq=logq,
-        confidence=log_q.amax(-1).exp(),
-    )
+    return block_replay(logits, temperature, generator, drafter.vocab)
