@@ -370,6 +370,23 @@ class ServableDrafter(Drafter):
         drafter of one config), so an export's round trip compares like with like."""
 
 
+def check_tensor_set(
+    expected: Mapping[str, Tensor], tensors: Mapping[str, Tensor], source: str
+) -> None:
+    """Refuse a checkpoint's `tensors` that are missing, unexpected or misshapen against a
+    freshly built drafter's (`expected`), by name (`source` names the checkpoint)."""
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: missing tensors {missing}, unexpected tensors {unexpected}")
+    for name, t in tensors.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                f"{tuple(expected[name].shape)}"
+            )
+
+
 class FrozenEmbeddingDrafter(Drafter):
     """What the kinds built on the target's own embedding share (EAGLE-3, DFlash): the module
     reads the target's frozen `embed_tokens` (never trained, never saved), carries the
@@ -390,19 +407,7 @@ class FrozenEmbeddingDrafter(Drafter):
                     f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
                 )
         drafter = cls(config, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
-        expected = drafter.tensors()
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        if missing or unexpected:
-            raise ValueError(
-                f"{source}: missing tensors {missing}, unexpected tensors {unexpected}"
-            )
-        for name, t in tensors.items():
-            if t.shape != expected[name].shape:
-                raise ValueError(
-                    f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
-                    f"{tuple(expected[name].shape)}"
-                )
+        check_tensor_set(drafter.tensors(), tensors, source)
         # on the embedding's device: the drafter runs beside the target whose embedding it shares
         drafter.to(device=embed_weight.device, dtype=tensors["fc.weight"].dtype)
         # `.to()` may have cast the shared embedding; re-attach the target's own tensor.

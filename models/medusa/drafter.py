@@ -16,7 +16,14 @@ from torch import Tensor
 
 from models.acceptance import AcceptanceStats
 from models.blocks import BlockUnroll, block_acceptance, block_replay_logits, sft_block_loss
-from models.drafter import ExportTarget, Proposer, ServableDrafter, Shape, TrainableDrafter
+from models.drafter import (
+    ExportTarget,
+    Proposer,
+    ServableDrafter,
+    Shape,
+    TrainableDrafter,
+    check_tensor_set,
+)
 from models.export_format import ExportError
 from models.medusa.export import export_medusa, read_medusa_export
 from models.medusa.model import DEFAULT_HEADS, DEFAULT_LAYERS, MedusaConfig, MedusaHeads
@@ -81,19 +88,7 @@ class MedusaDrafter(MedusaHeads, TrainableDrafter, ServableDrafter):
                     f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
                 )
         drafter = cls(cfg, DraftVocab(tensors["d2t"], tensors["t2d"]))
-        expected = drafter.tensors()
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        if missing or unexpected:
-            raise ValueError(
-                f"{source}: missing tensors {missing}, unexpected tensors {unexpected}"
-            )
-        for name, t in tensors.items():
-            if t.shape != expected[name].shape:
-                raise ValueError(
-                    f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
-                    f"{tuple(expected[name].shape)}"
-                )
+        check_tensor_set(drafter.tensors(), tensors, source)
         drafter.to(dtype=tensors["heads.0.weight"].dtype)
         drafter.load_state_dict(dict(tensors))
         device = embed_weight.device if embed_weight is not None else torch.device("cpu")
