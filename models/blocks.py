@@ -95,6 +95,37 @@ def block_replay_logits(out: BlockUnroll, anchor: Tensor) -> Tensor:
     return out.replayed
 
 
+class BlockTraining:
+    """The training role's losses and acceptance for a block drafter (DFlash, Medusa), whose
+    unroll returns a `BlockUnroll`: mixed in before `TrainableDrafter`. SFT is the
+    position-decayed soft CE over the slots; on a Draft-OPD batch the rollout sequences' own
+    blocks read ground truth only (no slot reads a draft), so the CE anchor is the same loss."""
+
+    def sft_loss(
+        self,
+        out: BlockUnroll,
+        teacher: Tensor,
+        last_hidden: Tensor,
+        *,
+        decay: float,
+        objective: str | None = None,
+    ) -> Tensor:
+        return sft_block_loss(out, teacher, decay)
+
+    def acceptance(
+        self, out: BlockUnroll, target_logits: Tensor, *, chain_k: int, expected: bool = True
+    ) -> AcceptanceStats:
+        return block_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
+
+    def replay_logits(self, out: BlockUnroll, item: Tensor, anchor: Tensor) -> Tensor:
+        return block_replay_logits(out, anchor)
+
+    def rollout_ce_loss(
+        self, out: BlockUnroll, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
+    ) -> Tensor:
+        return sft_block_loss(out, teacher, decay)
+
+
 def block_chain(
     logits: Tensor, temperature: float, generator: torch.Generator, to_target: Tensor
 ) -> Proposal:

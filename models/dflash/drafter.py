@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.acceptance import AcceptanceStats
-from models.blocks import BlockUnroll, block_acceptance, block_replay_logits, sft_block_loss
+from models.blocks import BlockTraining
 from models.dflash.export import export_dflash, read_dflash_export
 from models.dflash.model import (
     DEFAULT_ANCHORS,
@@ -52,7 +51,9 @@ CONFIG_FIELDS = {name: "num_layers" if name == "layers" else name for name in SE
 """Each setting's field in DFlashConfig."""
 
 
-class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter, TrainableDrafter, ServableDrafter):
+class DFlashDrafter(
+    DFlashModel, FrozenEmbeddingDrafter, BlockTraining, TrainableDrafter, ServableDrafter
+):
     # The training forwards are train.py's functions, the drafter first.
     replay = replay_blocks
     unroll = block_unroll
@@ -158,33 +159,6 @@ class DFlashDrafter(DFlashModel, FrozenEmbeddingDrafter, TrainableDrafter, Serva
         self, shape: Shape, temperature: float, generator: torch.Generator, timer: Any
     ) -> Proposer:
         return DFlashProposer(self, shape, temperature, generator, timer)
-
-    # -- training -------------------------------------------------------------------------
-
-    def sft_loss(
-        self,
-        out: BlockUnroll,
-        teacher: Tensor,
-        last_hidden: Tensor,
-        *,
-        decay: float,
-        objective: str | None = None,
-    ) -> Tensor:
-        return sft_block_loss(out, teacher, decay)
-
-    def acceptance(
-        self, out: BlockUnroll, target_logits: Tensor, *, chain_k: int, expected: bool = True
-    ) -> AcceptanceStats:
-        return block_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
-
-    def replay_logits(self, out: BlockUnroll, item: Tensor, anchor: Tensor) -> Tensor:
-        return block_replay_logits(out, anchor)
-
-    def rollout_ce_loss(
-        self, out: BlockUnroll, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
-    ) -> Tensor:
-        # The replays are blocks of their own: every teacher-forced block reads ground truth.
-        return sft_block_loss(out, teacher, decay)
 
     # -- serving --------------------------------------------------------------------------
 

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.acceptance import AcceptanceStats
-from models.blocks import BlockUnroll, block_acceptance, block_replay_logits, sft_block_loss
+from models.blocks import BlockTraining
 from models.drafter import (
     ExportTarget,
     Proposer,
@@ -36,7 +35,7 @@ CONFIG_FIELDS = {"heads": "num_heads", "layers": "num_layers"}
 """Each setting's field in MedusaConfig."""
 
 
-class MedusaDrafter(MedusaHeads, TrainableDrafter, ServableDrafter):
+class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafter):
     # The training forwards are train.py's functions, the drafter first.
     replay = replay_heads
     unroll = heads_unroll
@@ -123,34 +122,6 @@ class MedusaDrafter(MedusaHeads, TrainableDrafter, ServableDrafter):
         self, shape: Shape, temperature: float, generator: torch.Generator, timer: Any
     ) -> Proposer:
         return MedusaProposer(self, shape, temperature, generator, timer)
-
-    # -- training -------------------------------------------------------------------------
-
-    def sft_loss(
-        self,
-        out: BlockUnroll,
-        teacher: Tensor,
-        last_hidden: Tensor,
-        *,
-        decay: float,
-        objective: str | None = None,
-    ) -> Tensor:
-        # Medusa-1's loss: per-head CE against the target, head k weighted decay^(k-1)
-        return sft_block_loss(out, teacher, decay)
-
-    def acceptance(
-        self, out: BlockUnroll, target_logits: Tensor, *, chain_k: int, expected: bool = True
-    ) -> AcceptanceStats:
-        return block_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
-
-    def replay_logits(self, out: BlockUnroll, item: Tensor, anchor: Tensor) -> Tensor:
-        return block_replay_logits(out, anchor)
-
-    def rollout_ce_loss(
-        self, out: BlockUnroll, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
-    ) -> Tensor:
-        # Heads read only the target's states: every teacher-forced position is ground truth.
-        return sft_block_loss(out, teacher, decay)
 
     # -- serving --------------------------------------------------------------------------
 
