@@ -20,16 +20,18 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from models.teacher import TeacherLogits, teacher_logits
 from models.vocab import DraftVocab
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -290,6 +292,8 @@ class Target:
 
     def new_cache(self) -> DynamicCache:
         """An empty KV cache; every layer keeps all keys (masks decide what is visible)."""
+        from transformers import DynamicCache
+
         return DynamicCache()
 
     @staticmethod
@@ -432,6 +436,8 @@ def load_target(
     weight_files = _weight_files(path)
     _check_recorded_sha256(path, weight_files)
     shapes = _safetensors_shapes(weight_files)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -517,6 +523,8 @@ def _safetensors_shapes(files: Sequence[Path]) -> dict[str, tuple[Path, tuple[in
 
 def _check_shapes(path: Path, config: Any, shapes: dict[str, tuple[Path, tuple[int, ...]]]) -> None:
     """Refuse weights whose shapes contradict config.json (transformers would re-initialise them)."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}

@@ -1,6 +1,8 @@
 """Architecture rules that code review alone would let slip."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -260,3 +262,18 @@ def test_no_import_cycles():
     graph = {m: _project_imports(p.read_text(), set(files)) - {m} for m, p in files.items()}
     cycle = _cycle(graph)
     assert not cycle, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_the_cli_and_the_configs_start_without_transformers():
+    # `opd ls/show/gc/--help` and the parent of an `opd run --nproc N` launch (it checks the
+    # config, then starts the ranks) never build a model: importing transformers cost each of
+    # them ~3 s of a ~5 s start on 2 cores, paid again by every launch. Only code that loads a
+    # target or tokenizer imports it, inside the function that does.
+    code = (
+        "import sys, cli.main, pipeline.profiles, pipeline.distributed, pipeline.chains\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'vllm'}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout

@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import Field, field_validator
-from transformers import PreTrainedTokenizerBase
 
 from models.tiny_target import corpus
 from models.tiny_target.tokenizer import CHAT_TEMPLATE
@@ -53,6 +52,7 @@ from storage import OpdError
 
 if TYPE_CHECKING:
     import datasets
+    from transformers import PreTrainedTokenizerBase
 
 SPLITS = ("train", "heldout")
 ROLES = frozenset({"system", "user", "assistant"})

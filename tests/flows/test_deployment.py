@@ -67,6 +67,8 @@ def prefect_env(tmp_path):
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_LOGGING_LEVEL": "INFO",
+        # `opd serve` looks for scheduled runs every second, not every 10: four runs' waits
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
     }
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
@@ -85,7 +87,8 @@ def prefect_env(tmp_path):
 
 
 def _deploy_run(env, *params: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    args = [str(BIN / "prefect"), "deployment", "run", "opd-pipeline/full", "--watch"]
+    args = [str(BIN / "prefect"), "deployment", "run", "opd-pipeline/full"]
+    args += ["--watch", "--watch-interval", "1"]
     for p in params:
         args += ["--param", p]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)

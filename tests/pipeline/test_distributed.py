@@ -21,7 +21,8 @@ from pipeline.core import drafters, training
 from pipeline.core.runner import RunContext, planned_ref, run_stage
 from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
-from pipeline.stages import features, generate, rollout, score, sft
+from pipeline.stages import evaluate, features, generate, rollout, score, sft
+from pipeline.stages import opd as opd_stage
 from storage import OpdError, Store
 from tests.pipeline.conftest import write_prompts
 
@@ -45,17 +46,34 @@ def sums(store: Store, ref: str) -> dict[str, str]:
     return {s["path"]: s["sha256"] for s in store.open(ref).manifest["shards"]}
 
 
-def test_n_processes_write_the_same_shards_as_one_and_idle_ranks_finish(tmp_path):
+def test_n_processes_write_the_same_shards_as_one_a_failed_rank_is_named_and_resumed(tmp_path):
     one, many = Store(tmp_path / "one"), Store(tmp_path / "many")
-    for store in (one, many):
-        write_prompts(store)
     # generate: 2 shards for 3 ranks (rank 2 has nothing to do); features: 3 shards, 2 ranks
+    sets = ["generate.rows_per_shard=6"]
+    cfg = load_config("tiny", None, sets)
+    loader = TargetLoader(cfg.target)
+    # one process: this one, with the settings the launched ranks get (one thread each)
+    ctx = RunContext(store=one, target_loader=loader, progress=False)
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": write_prompts(one)}, ctx).dataset
+    run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx)
+    prompts = write_prompts(many)
+    ctx = RunContext(store=many, target_loader=loader, progress=False)
+    planned = planned_ref(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx)
+    # rank 1 of 3 writes shard 1 (of 2); a directory in its place makes its write fail
+    blocker = many.dataset_dir(planned.name, planned.version) / "part-00001.parquet"
+    blocker.mkdir(parents=True)
     for stage, name, nproc in (("generate", "trajectories", 3), ("features", "features", 2)):
         args = ["run", stage, "--profile", "tiny", "--no-progress"]
-        args += ["--set", "generate.rows_per_shard=6"]
-        single = opd(one.root, *args)
-        assert single.returncode == 0, single.stderr[-2000:]
+        args += [a for s in sets for a in ("--set", s)]
         ranked = opd(many.root, *args, "--nproc", str(nproc))
+        if stage == "generate":
+            assert ranked.returncode == 2
+            last = ranked.stderr.strip().splitlines()[-1]
+            assert last.startswith("error: step generate failed on rank 1 of 3: could not write")
+            assert not many.exists(planned)
+            blocker.rmdir()
+            ranked = opd(many.root, *args, "--nproc", str(nproc))
+            assert "resuming" in ranked.stderr  # what the failed launch wrote was kept
         assert ranked.returncode == 0, ranked.stderr[-3000:]
         assert f"[rank {nproc - 1}/{nproc}]" in ranked.stderr  # every rank ran and logged
         ref = str(one.resolve(f"{name}@latest"))
@@ -64,31 +82,7 @@ def test_n_processes_write_the_same_shards_as_one_and_idle_ranks_finish(tmp_path
         assert len(sums(one, ref)) >= 2
         # committed once: no rank markers or per-shard metas left behind
         assert not [p for p in many.open(ref).path.glob(".*")]
-
-
-def test_a_failed_rank_is_named_and_a_rerun_resumes_every_rank(tmp_path):
-    store = Store(tmp_path / "data")
-    prompts = write_prompts(store)
-    cfg = load_config("tiny")
-    ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
-    ref = planned_ref(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx)
-    # rank 1 of 2 writes shard 1 (of 3); a directory in its place makes its write fail
-    blocker = store.dataset_dir(ref.name, ref.version) / "part-00001.parquet"
-    blocker.mkdir(parents=True)
-    args = ["run", "generate", "--profile", "tiny", "--no-progress", "--nproc", "2"]
-    failed = opd(store.root, *args)
-    assert failed.returncode == 2
-    last = failed.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: step generate failed on rank 1 of 2: could not write"), last
-    assert not store.exists(ref)
-    blocker.rmdir()
-    done = opd(store.root, *args)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "resuming" in done.stderr  # rank 0's shards 0 and 2 were kept
-    single = Store(tmp_path / "single")
-    write_prompts(single)
-    assert opd(single.root, *args[:-2]).returncode == 0
-    assert sums(store, str(ref)) == sums(single, str(ref))
+    assert str(planned) == str(many.resolve("trajectories@latest"))
 
 
 def test_bad_launches_are_one_line_errors_before_work(tmp_path):
@@ -145,17 +139,32 @@ def weights_sha(store: Store, name: str = "sft") -> str:
     return sums(store, f"{name}@latest")[drafters.WEIGHTS_FILE]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_gloo_ranks_train_the_schedule_and_losses_of_one_process(tiny, mode):
-    store, ctx, cfg, prompts = tiny
+SFT_ARGS = ["run", "sft", "--profile", "tiny", "--no-progress", "--set", "sft.steps=24"]
+# fsdp on in every run: one process logs it and trains unsharded (the reference), two shard;
+# no periodic checkpoints, so the one a stopped run writes is the one it resumes from.
+SFT_ARGS += ["--set", "sft.fsdp=true", "--set", "sft.checkpoint_every=100"]
+
+
+@pytest.fixture(scope="module")
+def one_process_sft(tmp_path_factory):
+    """(store, ctx, the one-process run's stderr and train metrics) on the tiny features; the
+    tests below launch ranks on the same store with --force and compare against it."""
+    store = Store(tmp_path_factory.mktemp("sft") / "data")
+    cfg = load_config("tiny")
+    ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
+    prompts = write_prompts(store)
     traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
     run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx)
-    args = ["run", "sft", "--profile", "tiny", "--no-progress", "--set", "sft.steps=24"]
-    one = opd(store.root, *args)
+    one = opd(store.root, *SFT_ARGS)
     assert one.returncode == 0, one.stderr[-2000:]
-    single = train_metrics(store)
-    sharding = ["--set", "sft.fsdp=true"] if mode == "fsdp" else []
-    two = opd(store.root, *args, *sharding, "--nproc", "2", "--force")
+    return store, ctx, one.stderr, train_metrics(store)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_gloo_ranks_train_the_schedule_and_losses_of_one_process(one_process_sft, mode):
+    store, ctx, _, single = one_process_sft
+    sharding = [] if mode == "fsdp" else ["--set", "sft.fsdp=false"]
+    two = opd(store.root, *SFT_ARGS, *sharding, "--nproc", "2", "--force")
     assert two.returncode == 0, two.stderr[-3000:]
     assert ("FSDP: drafter weights" in two.stderr) == (mode == "fsdp")
     ranked = train_metrics(store)
@@ -175,28 +184,22 @@ def test_two_gloo_ranks_train_the_schedule_and_losses_of_one_process(tiny, mode)
     assert not any(type(p) is not torch.nn.Parameter for p in drafter.parameters())
 
 
-def test_fsdp_resumes_exactly_and_is_a_logged_no_op_in_one_process(tiny):
-    store, ctx, cfg, prompts = tiny
-    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
-    run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx)
-    args = ["run", "sft", "--profile", "tiny", "--no-progress", "--set", "sft.steps=12"]
-    args += ["--set", "sft.fsdp=true", "--set", "sft.checkpoint_every=100"]
-    one = opd(store.root, *args)
-    assert one.returncode == 0, one.stderr[-2000:]
-    assert "fsdp is on but this is one process: training unsharded" in one.stderr
-    whole = opd(store.root, *args, "--nproc", "2", "--force")
+def test_fsdp_resumes_exactly_and_is_a_logged_no_op_in_one_process(one_process_sft):
+    store, _, one_stderr, _ = one_process_sft
+    assert "fsdp is on but this is one process: training unsharded" in one_stderr
+    whole = opd(store.root, *SFT_ARGS, "--nproc", "2", "--force")
     assert whole.returncode == 0, whole.stderr[-3000:]
     numbers = ["step", "loss", "lr", "grad_norm", "tokens"]  # not the wall-clock tokens_per_s
     uninterrupted, metrics = weights_sha(store), train_metrics(store).select(numbers)
     stop = ["--set", "sft.stop_after_steps=5"]
-    stopped = opd(store.root, *args, *stop, "--nproc", "2", "--force")
-    assert stopped.returncode != 0 and "stopped after step 5 of 12" in stopped.stderr
+    stopped = opd(store.root, *SFT_ARGS, *stop, "--nproc", "2", "--force")
+    assert stopped.returncode != 0 and "stopped after step 5 of 24" in stopped.stderr
     # the checkpoint holds whole tensors, as without FSDP
     ckpt = training.Checkpointer(store.root / "_work" / "sft" / store.resolve("sft@latest").version)
     assert ckpt.latest() == 5
     with safe_open(str(ckpt.path(5) / "tensors.safetensors"), "pt") as f:
         assert f.get_tensor("model/fc.weight").shape == drafter_weights(store)["fc.weight"].shape
-    resumed = opd(store.root, *args, "--nproc", "2", "--force")
+    resumed = opd(store.root, *SFT_ARGS, "--nproc", "2", "--force")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 5" in resumed.stderr
     assert weights_sha(store) == uninterrupted  # bit for bit
@@ -229,27 +232,28 @@ def test_sharded_evaluate_gives_the_rows_and_numbers_of_one_process(tiny):
     store, ctx, cfg, prompts = tiny
     traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
     feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
-    run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx)
-    args = ["run", "evaluate", "--profile", "tiny", "--no-progress"]
+    drafter = run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
     timed = ("tokens_per_s", "baseline_tokens_per_s", "speedup", "decode_overhead_share")
-    runs = []
-    # 4 prompts in batches of 2: one batch per rank; with 3 ranks rank 0 has none
-    for nproc in (1, 2, 3):
-        launch = ["--nproc", str(nproc), "--force"] if nproc > 1 else []
-        done = opd(store.root, *args, *launch)
-        assert done.returncode == 0, done.stderr[-3000:]
+
+    def written() -> tuple[dict[str, str], dict, dict]:
         ds = store.open("eval@latest")
         assert [s["path"] for s in ds.manifest["shards"]] == ["drafts.parquet", "steps.parquet"]
         assert not (ds.path / "ranks").exists()
         numbers = {k: v for k, v in ds.meta.items() if k not in timed}
-        runs.append((sums(store, str(ds.ref)), numbers, ds.meta))
-    (one_sums, one, one_meta), *ranked = runs
+        return sums(store, str(ds.ref)), numbers, ds.meta
+
+    run_stage(evaluate.STAGE, cfg.evaluate, {"prompts": prompts, "drafter": drafter}, ctx)
+    one_sums, one, _ = written()  # one process: this one
+    # 3 ranks, 4 prompts in batches of 2: one batch for each of ranks 1 and 2, none for rank 0
+    args = ["run", "evaluate", "--profile", "tiny", "--no-progress", "--nproc", "3", "--force"]
+    done = opd(store.root, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranked_sums, ranked, ranked_meta = written()
     assert one["prompts"] == 4 and one["lossless_t0"] is True and one["verify_steps"] > 4
-    for shard_sums, numbers, meta in ranked:
-        assert shard_sums == one_sums  # the same rows, byte for byte
-        # tau, alpha, lossless_t0, the untrained contrast and every count: equal, not close
-        assert numbers == one
-        assert all(meta[k] > 0 for k in ("tokens_per_s", "baseline_tokens_per_s", "speedup"))
+    assert ranked_sums == one_sums  # the same rows, byte for byte
+    # tau, alpha, lossless_t0, the untrained contrast and every count: equal, not close
+    assert ranked == one
+    assert all(ranked_meta[k] > 0 for k in ("tokens_per_s", "baseline_tokens_per_s", "speedup"))
 
 
 def test_two_gloo_ranks_train_opd_with_the_losses_of_one_process(tiny):
@@ -262,10 +266,10 @@ def test_two_gloo_ranks_train_opd_with_the_losses_of_one_process(tiny):
         score.STAGE, cfg.score, {"rollouts": rolled.dataset, "drafter": drafter}, ctx
     )
     assert replays.dataset.num_rows > 0  # greedy rollouts: acceptances are exactly 0 or 1
+    inputs = {"replays": replays.dataset, "rollouts": rolled.dataset, "drafter": drafter}
+    run_stage(opd_stage.STAGE, cfg.opd.model_copy(update={"steps": 24}), inputs, ctx)
+    single = train_metrics(store, "opd")  # one process: this one
     args = ["run", "opd", "--profile", "tiny", "--no-progress", "--set", "opd.steps=24"]
-    one = opd(store.root, *args)
-    assert one.returncode == 0, one.stderr[-2000:]
-    single = train_metrics(store, "opd")
     two = opd(store.root, *args, "--nproc", "2", "--force")
     assert two.returncode == 0, two.stderr[-3000:]
     ranked = train_metrics(store, "opd")
