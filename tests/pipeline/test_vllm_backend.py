@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from models import vllm_engine
 from pipeline.core.runner import planned_ref, run_stage
 from pipeline.core.targets import EMBEDDED_TARGET, TargetConfig, TargetLoader
 from pipeline.stages import generate
@@ -39,6 +40,8 @@ def test_vllm_backend_refuses_an_in_process_target(tiny):
 def test_without_vllm_installed_the_error_names_make_vllm(tiny, monkeypatch):
     store, _, cfg, prompts = tiny
     monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` meets when it is absent
+    # and no engine: this worker may hold the vLLM tests' engine for the same embedded target
+    monkeypatch.setattr(vllm_engine, "_ENGINES", {})
     ctx = type(tiny[1])(
         store=store,
         target_loader=TargetLoader(TargetConfig(aux_layer_ids=[1, 3, 5])),
