@@ -18,7 +18,9 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -87,6 +89,7 @@ class SpecCounters:
 
 _ENGINES: dict[EngineSpec, Any] = {}
 _ENGINE_PROCESSES: dict[EngineSpec, set[multiprocessing.process.BaseProcess]] = {}
+_ENGINE_SOCKETS: dict[EngineSpec, Path] = {}
 """The processes each engine's start spawned (its engine core), to reap when it closes."""
 ENGINE_EXIT_S = 30  # vLLM force-kills its engine core after ~5 s; this only bounds the wait
 
@@ -246,15 +249,35 @@ def engine(spec: EngineSpec) -> Any:
         # engine in the same process unregisters an older one's, and both carry the same labels.
         kwargs["per_request_spec_decode_metrics"] = "summary"
     _quiet_known_noise()
+    # The engine and this process talk over unix sockets vLLM names <base>/<uuid> (/tmp by
+    # default) as it starts, seven here, and three outlive its shutdown: each engine gets a
+    # directory of its own under that base, removed when the engine closes.
+    sockets = Path(tempfile.mkdtemp(prefix="opd-vllm-", dir=os.environ.get("VLLM_RPC_BASE_PATH")))
     before = set(multiprocessing.active_children())
-    with _stderr_tail() as tail:
+    with _stderr_tail() as tail, _environ("VLLM_RPC_BASE_PATH", str(sockets)):
         try:
             llm = LLM(**kwargs)
         except Exception as e:  # vLLM raises ValueError, pydantic errors and RuntimeError here
+            shutil.rmtree(sockets, ignore_errors=True)
             raise _start_failure(spec, e, tail) from e
     _ENGINES[spec] = llm
     _ENGINE_PROCESSES[spec] = set(multiprocessing.active_children()) - before
+    _ENGINE_SOCKETS[spec] = sockets
     return llm
+
+
+@contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment (and so in processes started meanwhile)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def start(spec: EngineSpec) -> bool:
@@ -275,6 +298,8 @@ def close(spec: EngineSpec | None = None) -> None:
         # `VLLM::EngineCore` until this process ends: wait for (and so reap) what it started.
         for proc in _ENGINE_PROCESSES.pop(key, set()):
             proc.join(timeout=ENGINE_EXIT_S)
+        if (sockets := _ENGINE_SOCKETS.pop(key, None)) is not None:
+            shutil.rmtree(sockets, ignore_errors=True)
 
 
 def _sampling(

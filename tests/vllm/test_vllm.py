@@ -169,5 +169,9 @@ def test_closing_an_engine_leaves_no_defunct_engine_process(embedded: Embedded, 
     # the last test of this module to use the EAGLE-3 engine: the chain closes engines it started
     # and runs on, so a killed engine core must not stay behind as a zombie
     plain = embedded.plain
-    vllm_engine.close(vllm_engine.EngineSpec(plain.model, plain.dtype, str(eagle3_export), K))
+    spec = vllm_engine.EngineSpec(plain.model, plain.dtype, str(eagle3_export), K)
+    sockets = vllm_engine._ENGINE_SOCKETS[spec]
+    assert list(sockets.iterdir())  # the engine's unix sockets, in a directory of its own
+    vllm_engine.close(spec)
     assert _defunct_children() == []
+    assert not sockets.exists()  # none left behind in the temporary directory
