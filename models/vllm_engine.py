@@ -89,8 +89,9 @@ class SpecCounters:
 
 _ENGINES: dict[EngineSpec, Any] = {}
 _ENGINE_PROCESSES: dict[EngineSpec, set[multiprocessing.process.BaseProcess]] = {}
-_ENGINE_SOCKETS: dict[EngineSpec, Path] = {}
 """The processes each engine's start spawned (its engine core), to reap when it closes."""
+_ENGINE_SOCKETS: dict[EngineSpec, Path] = {}
+"""The directory of each engine's unix sockets, to remove when it closes."""
 ENGINE_EXIT_S = 30  # vLLM force-kills its engine core after ~5 s; this only bounds the wait
 
 
