@@ -14,7 +14,7 @@ from typing import Any
 import click
 import torch
 
-from cli import data, experiment, measure, run, serve
+from cli import data, experiment, measure, run, serve, target
 from storage import OpdError, Store, default_root
 
 
@@ -53,6 +53,9 @@ def cli(ctx: click.Context, root: Path | None, threads: int | None) -> None:
         torch.set_num_threads(threads)
         # for the ranks --nproc launches: they inherit the environment, not this setting
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    if root is not None:
+        # named targets (target.path=smollm2) live under the root, and launched ranks resolve it
+        os.environ["OPD_HOME"] = str(root)
     ctx.obj = Store(root if root is not None else default_root())
 
 
@@ -67,6 +70,7 @@ for command in (
     serve.export_cmd,
     serve.serve_cmd,
     experiment.experiment_group,
+    target.target_group,
 ):
     cli.add_command(command)
 

@@ -56,7 +56,18 @@ class EngineSpec:
     """Drafted tokens per step (num_speculative_tokens); used only with a drafter."""
     seed: int = 0
     method: str = "eagle3"
-    """vLLM's speculative method for the drafter: the kind's `serve_method` (models/<kind>/)."""
+    """vLLM's speculative method for the drafter: the kind's `serve_method` (models/<kind>/), or
+    `ngram` (prompt lookup, no drafter directory: the free baseline every result stands beside)."""
+
+    @property
+    def speculates(self) -> bool:
+        return self.drafter is not None or self.method == NGRAM
+
+
+NGRAM = "ngram"
+NGRAM_LOOKUP = (2, 4)
+"""vLLM's prompt-lookup n-gram sizes (prompt_lookup_min, _max) for the `ngram` baseline: the
+range vLLM's docs use; longer matches are tried first."""
 
 
 @dataclass(frozen=True)
@@ -240,12 +251,20 @@ def engine(spec: EngineSpec) -> Any:
         # torch.compile of the model takes minutes on a small CPU; CUDA graphs stay on GPUs.
         "enforce_eager": device() == "cpu",
     }
-    if spec.drafter is not None:
+    if spec.method == NGRAM:
+        kwargs["speculative_config"] = {
+            "method": NGRAM,
+            "num_speculative_tokens": spec.k,
+            "prompt_lookup_min": NGRAM_LOOKUP[0],
+            "prompt_lookup_max": NGRAM_LOOKUP[1],
+        }
+    elif spec.drafter is not None:
         kwargs["speculative_config"] = {
             "method": spec.method,
             "model": spec.drafter,
             "num_speculative_tokens": spec.k,
         }
+    if spec.speculates:
         # Per request, not the process-wide Prometheus `vllm:spec_decode_*` counters: a newer
         # engine in the same process unregisters an older one's, and both carry the same labels.
         kwargs["per_request_spec_decode_metrics"] = "summary"
@@ -370,8 +389,8 @@ def speculate(
     counters summed over these requests (τ = 1 + accepted / drafts)."""
     from vllm.inputs import TokensPrompt
 
-    if spec.drafter is None:
-        raise ValueError("speculate needs an EngineSpec with a drafter")
+    if not spec.speculates:
+        raise ValueError("speculate needs an EngineSpec with a drafter or method=ngram")
     llm = engine(spec)
     params = [
         _sampling(max_new_tokens, temperature, 1.0, seed + i, stop_ids) for i in range(len(prompts))

@@ -61,8 +61,9 @@ def output_version_config(stage: Stage, cfg: StrictConfig, ctx: RunContext) -> d
             out |= stage.version_extra(cfg)
         except ValueError as e:
             raise OpdError(str(e)) from None
-    if stage.engine is not None:  # `auto` means different engines on different machines
-        out["engine"] = stage.engine(cfg, ctx)
+    # `auto` means different engines on different machines; None: the stage used none this time
+    if stage.engine is not None and (engine := stage.engine(cfg, ctx)) is not None:
+        out["engine"] = engine
     if stage.uses_target:
         if ctx.target_loader is None:
             raise OpdError(f"stage {stage.name} needs a target but none is configured")

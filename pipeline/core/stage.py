@@ -23,6 +23,11 @@ DRAFTER_DATASETS = ("sft", "opd")
 """Dataset names that hold a trained drafter (what a `drafter` role reads)."""
 
 
+HELDOUT_SETS = "heldout_sets"
+"""A prompts dataset's manifest meta key: the held-out benchmark sets it holds, in order; a
+held-out row's `source` is SET:ID (evaluate measures each set)."""
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -64,7 +69,7 @@ class Stage:
     lineage), run before the output's directory exists, so a refused run leaves nothing."""
     version_extra: Callable[[Any], dict] | None = None
     """Extra data hashed into the version (e.g. a source file's content hash)."""
-    engine: Callable[[Any, Any], str] | None = None
+    engine: Callable[[Any, Any], str | None] | None = None
     """engine(cfg, ctx): what a `backend: auto` setting resolves to on this machine; it is
     hashed into the version, since different engines write different (equally valid) tokens."""
 

