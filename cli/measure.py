@@ -59,6 +59,7 @@ def eval_cmd(
 ) -> None:
     """Measure τ, per-position acceptance and speed-up of a drafter on held-out prompts."""
     from pipeline.core.runner import RunContext, run_stage
+    from pipeline.core.targets import check_engine_target
     from pipeline.stages import evaluate
 
     extra = (f"evaluate.temperature={temperature}",) if temperature is not None else ()
@@ -71,6 +72,7 @@ def eval_cmd(
         # like the target: the drafter's own trained K, unless the command line states one
         cfg = command_config(profile, sets + extra, trained_k(inputs["drafter"]))
     cfg, loader = command_target(cfg, profile, sets, inputs.values())
+    check_engine_target("evaluate", cfg.evaluate, cfg.target)  # not after the whole evaluation
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json)
     if not as_json:
         setup_logging()

@@ -18,7 +18,7 @@ from pipeline.core.drafters import drafter_kind
 from pipeline.core.export import EXPORTS_DIR, export_drafter
 from pipeline.core.runner import RunContext, StageResult, run_stage
 from pipeline.core.stage import Stage
-from pipeline.core.targets import TargetLoader
+from pipeline.core.targets import TargetLoader, check_engine_target
 from pipeline.profiles import PipelineConfig
 from storage import Dataset, OpdError
 
@@ -47,6 +47,7 @@ def _step(key: str, cfg: PipelineConfig, inputs: dict[str, str] | None = None, *
             "drop it for this run (typical acceptance is for evaluate only)"
         )
     section = getattr(cfg, stage.name)
+    check_engine_target(stage.name, section, cfg.target)
     return Step(key, stage, section.model_copy(update=update) if update else section, inputs or {})
 
 
