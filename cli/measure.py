@@ -58,6 +58,7 @@ def eval_cmd(
     as_json: bool,
 ) -> None:
     """Measure τ, per-position acceptance and speed-up of a drafter on held-out prompts."""
+    from pipeline.core.config import LOSSY_NOTE, is_lossy
     from pipeline.core.runner import RunContext, run_stage
     from pipeline.core.targets import check_engine_target
     from pipeline.stages import evaluate
@@ -85,6 +86,8 @@ def eval_cmd(
         click.echo(
             f"{res.ref}  drafter={stats['drafter']}  K={stats['k']} T={stats['temperature']}"
         )
+        if is_lossy(stats):  # from the dataset's meta: a cache hit logs no stage line
+            click.echo(f"  LOSSY: {LOSSY_NOTE}")
         click.echo(f"  tau {stats['tau']:.3f}   alpha by offset [{alpha}]")
         if "tau_untrained" in stats:
             click.echo(
