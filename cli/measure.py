@@ -226,6 +226,12 @@ def tune_cmd(
     _check_tune_options(temperature, max_prompts, repeats, candidates, threads)
     torch.set_num_threads(threads)
     cfg = command_config(profile, sets)
+    if cfg.drafting.acceptance == "typical":
+        raise OpdError(
+            "opd tune times lossless decoding, as vLLM serves the K it records (vLLM verifies "
+            "losslessly only), and drafting.acceptance=typical is lossy: drop it (opd eval "
+            "--set drafting.acceptance=typical measures a drafter with it)"
+        )
     drafter, prompts_ds = store.open(drafter_ref), store.open(prompts_ref)
     _check_prompts_dataset(prompts_ds)
     cfg, loader = command_target(cfg, profile, sets, [drafter, prompts_ds])
