@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import torch
@@ -19,14 +19,28 @@ from storage import OpdError, Store, default_root
 
 
 class _Group(click.Group):
-    """Turns user errors into one-line messages instead of tracebacks."""
+    """Turns user errors into one-line messages instead of tracebacks or click's usage block."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:  # parses the group's own options (--threads)
+            return super().make_context(*args, **kwargs)
+        except click.BadParameter as e:
+            _fail(e.format_message())
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (OpdError, NotImplementedError) as e:  # the latter: a kind lacks a stage's method
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+            _fail(str(e))
+        except click.BadParameter as e:  # a command's option out of its range or choices
+            _fail(e.format_message())
+
+
+def _fail(message: str) -> NoReturn:
+    # A bad option value's message already names the option and the values it takes: click's
+    # usage block around it would only bury it.
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

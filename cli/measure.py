@@ -58,7 +58,9 @@ def eval_cmd(
     as_json: bool,
 ) -> None:
     """Measure τ, per-position acceptance and speed-up of a drafter on held-out prompts."""
+    from pipeline.core.config import LOSSY_NOTE, is_lossy
     from pipeline.core.runner import RunContext, run_stage
+    from pipeline.core.targets import check_engine_target
     from pipeline.stages import evaluate
 
     extra = (f"evaluate.temperature={temperature}",) if temperature is not None else ()
@@ -71,6 +73,7 @@ def eval_cmd(
         # like the target: the drafter's own trained K, unless the command line states one
         cfg = command_config(profile, sets + extra, trained_k(inputs["drafter"]))
     cfg, loader = command_target(cfg, profile, sets, inputs.values())
+    check_engine_target("evaluate", cfg.evaluate, cfg.target)  # not after the whole evaluation
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json)
     if not as_json:
         setup_logging()
@@ -83,6 +86,8 @@ def eval_cmd(
         click.echo(
             f"{res.ref}  drafter={stats['drafter']}  K={stats['k']} T={stats['temperature']}"
         )
+        if is_lossy(stats):  # from the dataset's meta: a cache hit logs no stage line
+            click.echo(f"  LOSSY: {LOSSY_NOTE}")
         click.echo(f"  tau {stats['tau']:.3f}   alpha by offset [{alpha}]")
         if "tau_untrained" in stats:
             click.echo(
@@ -221,6 +226,12 @@ def tune_cmd(
     _check_tune_options(temperature, max_prompts, repeats, candidates, threads)
     torch.set_num_threads(threads)
     cfg = command_config(profile, sets)
+    if cfg.drafting.acceptance == "typical":
+        raise OpdError(
+            "opd tune times lossless decoding, as vLLM serves the K it records (vLLM verifies "
+            "losslessly only), and drafting.acceptance=typical is lossy: drop it (opd eval "
+            "--set drafting.acceptance=typical measures a drafter with it)"
+        )
     drafter, prompts_ds = store.open(drafter_ref), store.open(prompts_ref)
     _check_prompts_dataset(prompts_ds)
     cfg, loader = command_target(cfg, profile, sets, [drafter, prompts_ds])

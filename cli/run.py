@@ -168,7 +168,7 @@ def _run(
     from pipeline.chains import CHAINS, record_results, run_chain, single_step
     from pipeline.core.drafters import check_drafter_settings
     from pipeline.core.runner import RunContext
-    from pipeline.core.targets import TargetLoader, target_for
+    from pipeline.core.targets import TargetLoader, check_engine_target, target_for
 
     ctx = RunContext(
         store=store, target_loader=TargetLoader(cfg.target), progress=progress, run_name=run_name
@@ -199,6 +199,7 @@ def _run(
         cfg = cfg.model_copy(
             update={"target": target_for(external.values(), cfg.target, stated=stated)}
         )
+        check_engine_target(step.stage.name, step.cfg, cfg.target)
         ctx.target_loader = TargetLoader(cfg.target)
         steps = [step]
         forced = {step.key} if force else set()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +33,8 @@ class KindSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     kind: str
+    depth_setting: ClassVar[str | None] = None
+    """The setting that bounds `max_draft_depth` (what a user raises to draft deeper)."""
 
     def settings(self) -> dict[str, Any]:
         """The kind's settings that were set (what `Drafter.new` takes)."""

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from models.drafters import kind_spec
 from pipeline import stages
-from pipeline.core.config import StrictConfig
+from pipeline.core.config import StrictConfig, is_lossy
 from pipeline.core.drafters import drafter_kind
 from pipeline.core.export import EXPORTS_DIR, export_drafter
 from pipeline.core.runner import RunContext, StageResult, run_stage
 from pipeline.core.stage import Stage
-from pipeline.core.targets import TargetLoader
+from pipeline.core.targets import TargetLoader, check_engine_target
 from pipeline.profiles import PipelineConfig
 from storage import Dataset, OpdError
 
@@ -47,6 +47,7 @@ def _step(key: str, cfg: PipelineConfig, inputs: dict[str, str] | None = None, *
             "drop it for this run (typical acceptance is for evaluate only)"
         )
     section = getattr(cfg, stage.name)
+    check_engine_target(stage.name, section, cfg.target)
     return Step(key, stage, section.model_copy(update=update) if update else section, inputs or {})
 
 
@@ -161,6 +162,8 @@ def summary_markdown(results: dict[str, StageResult]) -> str:
         tau = r.dataset.meta.get("tau") if r.dataset is not None else None
         status = "cached" if r.reused else f"ran {r.seconds:.0f}s"
         tau_s = f"{tau:.3f}" if isinstance(tau, int | float) else ""
+        if r.dataset is not None and is_lossy(r.dataset.meta):
+            tau_s += " LOSSY (typical acceptance)"
         lines.append(f"| {key} | `{r.ref}` | {status} | {tau_s} |")
     return "\n".join(lines)
 

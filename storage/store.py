@@ -177,22 +177,23 @@ def _names(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def take_lock(path: Path, waiting: str | None = None) -> int:
-    """An exclusive flock on the lock file `path`, waiting for its holder (saying `waiting`
-    on stderr first). `opd gc` unlinks a lock file only while it holds it, so a lock that
-    turns out to be on an unlinked file (gc removed it between our open and our flock) is
-    dropped and taken again on the file the path names now: two writers never hold locks
-    on two different files of one path."""
+def take_lock(path: Path, waiting: str | None = None, *, shared: bool = False) -> int:
+    """An exclusive (or `shared`) flock on the lock file `path`, waiting for its holder
+    (saying `waiting` on stderr first). `opd gc` unlinks a lock file only while it holds it,
+    so a lock that turns out to be on an unlinked file (gc removed it between our open and
+    our flock) is dropped and taken again on the file the path names now: two writers never
+    hold locks on two different files of one path."""
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
             except BlockingIOError:
                 if waiting is not None:  # stderr: stdout may be a command's --json answer
                     print(f"[opd] {waiting}; waiting for it", file=sys.stderr, flush=True)
                     waiting = None
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fcntl.flock(fd, mode)
             if _names(fd, path):
                 return fd
         except BaseException:
@@ -449,6 +450,7 @@ class DatasetWriter:
         self.dir = self.final_dir
         self.replace = replace
         self._lock_fd: int | None = None
+        self._shared_fd: int | None = None  # a rank's share of the version's plain lock
         self._started = now_iso()
 
     def exists(self) -> bool:
@@ -459,9 +461,21 @@ class DatasetWriter:
         self.store.ensure_writable()
         self.dir.parent.mkdir(parents=True, exist_ok=True)
         # One lock per rank: ranks of a sharded stage write disjoint shards side by side.
-        suffix = "" if self.world_size == 1 else f".r{self.rank}"
-        lock = self.dir.parent / f".{self.version}{suffix}.lock"
-        self._lock_fd = take_lock(lock, waiting=f"{self.ref} is being written by another process")
+        plain = self.dir.parent / f".{self.version}.lock"
+        waiting = f"{self.ref} is being written by another process"
+        if self.world_size > 1:
+            # Each rank also shares the plain lock, which gc takes exclusively (creating it if
+            # need be) before it removes anything: gc lists the rank lock files before it locks
+            # them, so a rank whose own lock file did not exist yet would go unseen.
+            self._shared_fd = take_lock(plain, waiting, shared=True)
+            lock = plain.with_name(f".{self.version}.r{self.rank}.lock")
+        else:
+            lock = plain
+        try:
+            self._lock_fd = take_lock(lock, waiting)
+        except BaseException:
+            self._release()
+            raise
         if self.rank == 0:
             self.store._restore(self.name, self.version)
             staging = self.store.staging_dir(self.name, self.version)
@@ -539,10 +553,14 @@ class DatasetWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.dir = self.final_dir
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._release()
+
+    def _release(self) -> None:
+        for fd in (self._lock_fd, self._shared_fd):
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+        self._lock_fd = self._shared_fd = None
 
     def _require_lock(self) -> None:
         if self._lock_fd is None:

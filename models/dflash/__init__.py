@@ -19,6 +19,7 @@ class DFlashSettings(KindSettings):
     """DFlash's settings, each None = its default (documented in models/dflash/model.py)."""
 
     kind: Literal["dflash"] = "dflash"
+    depth_setting = "block_size"
     # The bounds are checked before any work (the upper ones that depend on the target, as the
     # target's positions, layers and vocab, by `Drafter.check_settings` when the target loads).
     block_size: Annotated[int, Field(ge=2, le=MAX_BLOCK_SIZE)] | None = optional_setting(

@@ -19,6 +19,7 @@ class MedusaSettings(KindSettings):
     """Medusa's settings, each None = its default (models/medusa/model.py)."""
 
     kind: Literal["medusa"] = "medusa"
+    depth_setting = "heads"
     heads: Annotated[int, Field(ge=1, le=MAX_HEADS)] | None = optional_setting(
         "medusa: heads, the most tokens one step drafts (default 4)"
     )

@@ -65,6 +65,16 @@ class TypicalAcceptance(StrictConfig):
     delta: float = Field(0.3, gt=0.0, le=1.0)
 
 
+LOSSY_NOTE = "typical acceptance (drafting.acceptance=typical), not the target's law"
+"""What every output showing the numbers of a lossy evaluation says about them."""
+
+
+def is_lossy(meta: dict[str, Any]) -> bool:
+    """Whether a dataset's numbers came from lossy verification (evaluate records
+    `lossless: false` with typical acceptance at T>0)."""
+    return meta.get("lossless") is False
+
+
 class DraftTree(StrictConfig):
     """An EAGLE-2 dynamic draft tree (models/eagle3/propose.py). The defaults are EAGLE-2's
     (its EaModel: total_token=60, depth=5, top_k=10)."""

@@ -134,6 +134,19 @@ def model_directory(path: str) -> Path:
     return Path(path)
 
 
+def check_engine_target(stage: str, section: StrictConfig, target: TargetConfig) -> None:
+    """Refuse `stage`'s config `section` when it names the vLLM backend and `target` is built
+    in this process: vLLM loads its target from a model directory, which such a target lacks.
+    Checked where the run's target is known, before any stage of it runs."""
+    if getattr(section, "backend", None) == "vllm" and in_process(target):
+        raise OpdError(
+            f"{stage}.backend=vllm needs a target directory vLLM can load, and "
+            f"target.path={target.path} is built in this process (it has none): set "
+            f"{stage}.backend=hf (vLLM runs targets read from a directory: target.path=embedded "
+            "or a local HF model)"
+        )
+
+
 def resolve_device(cfg: TargetConfig) -> torch.device:
     """The device `cfg.device` names on this machine; a CUDA device torch cannot see is an error."""
     if cfg.device == "auto":

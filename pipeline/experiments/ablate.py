@@ -125,7 +125,7 @@ def ablate(
     """OPD variants, one factor at a time, from opd-vs-sft's warm-up at one drafter budget
     (`budget`, else `budget_ratio` x the warm-up's; split over each variant's rounds), each
     evaluated at T=0 and T=1 for every seed. Returns the result as JSON-able data."""
-    check_arm_options(seeds=seeds, budget=budget, budget_ratio=budget_ratio)
+    check_arm_options(cfg, seeds=seeds, budget=budget, budget_ratio=budget_ratio)
     variants = ablation_variants(cfg, factors)
     run = Runner(ctx)
     warm = warm_up(run, cfg, prompts)

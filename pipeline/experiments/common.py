@@ -235,6 +235,7 @@ MAX_SEED = 2**32 - 1
 
 
 def check_arm_options(
+    cfg: PipelineConfig,
     *,
     seeds: int,
     budget: int | None,
@@ -244,6 +245,9 @@ def check_arm_options(
 ) -> None:
     """Refuse, before the warm-up runs, options the arms could only fail on after it (or, for
     the temperature, after writing part of a rollout)."""
+    # The Draft-OPD rounds' steps are built only after the warm-up and the SFT arm; building
+    # them now runs their checks first (rollout and score refuse typical acceptance).
+    chains.opd_rounds(cfg)
     if seeds < 1:
         raise OpdError(f"--seeds must be >= 1, got {seeds}")
     if budget is not None and budget < 1:

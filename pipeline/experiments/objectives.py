@@ -77,6 +77,13 @@ def _check(cfg: PipelineConfig, seeds: int) -> None:
         raise OpdError(
             "the objectives experiment compares acceptance per chain offset: drop drafting.tree"
         )
+    if cfg.drafting.acceptance == "typical":
+        # its table would hold lossy T=1 numbers beside lossless ones, unmarked
+        raise OpdError(
+            "the objectives experiment compares the objectives under lossless verification, and "
+            "drafting.acceptance=typical is lossy: drop it (opd eval --set "
+            "drafting.acceptance=typical measures a drafter with it)"
+        )
 
 
 def _row_steps(ds: Dataset) -> int:

@@ -103,6 +103,7 @@ def opd_vs_sft(
     `speed`: also time the first seed's drafters against plain decoding (`measure_speed`).
     """
     check_arm_options(
+        cfg,
         seeds=seeds,
         budget=budget,
         budget_ratio=budget_ratio,

@@ -31,7 +31,7 @@ import polars as pl
 from pydantic import Field
 
 from pipeline.core.checks import check_same_target
-from pipeline.core.config import StrictConfig
+from pipeline.core.config import LOSSY_NOTE, StrictConfig, is_lossy
 from pipeline.core.report import figure, md_table, png
 from pipeline.core.runner import RunContext, StageResult
 from pipeline.core.stage import Inputs, Stage
@@ -540,6 +540,8 @@ def _source_line(ds: Dataset) -> str:
     drafter = ds.meta.get("drafter") or ds.inputs.get("drafter")
     if drafter:
         facts.append(f"drafter {drafter}")
+    if is_lossy(ds.meta):
+        facts.append(f"**LOSSY**: {LOSSY_NOTE}")
     return f"- `{ds.ref}`" + (f" ({', '.join(facts)})" if facts else "")
 
 
@@ -599,6 +601,8 @@ def run(
         .head(10)
         .to_dicts(),
     }
+    if lossy := [str(ds.ref) for ds in sources if is_lossy(ds.meta)]:
+        meta["lossy"] = lossy
     if several:
         rc = tables["round_comparison"]
         meta["rounds"] = [
@@ -715,6 +719,11 @@ def _markdown(
         f"{meta['verify_steps']} verify steps{pooled}); {meta['drafted_tokens']} drafted tokens; "
         f"α by offset (accepted / reached): [{alpha}].",
         "",
+        *(
+            [f"**LOSSY**: {', '.join(meta['lossy'])} verified by {LOSSY_NOTE}.", ""]
+            if "lossy" in meta
+            else []
+        ),
         "## Acceptance by offset (n-α)",
         "",
         "![acceptance by offset](acceptance_by_offset.png)",
@@ -811,9 +820,13 @@ def summary_text(result: StageResult) -> str:
     """What `opd analyze` prints: the report's ref, headline numbers and where report.md is."""
     meta = result.dataset.meta
     alpha = " ".join("-" if a is None else f"{a:.3f}" for a in meta["alpha"])
+    # from the sources, not the report's meta: a report cached from before it recorded them
+    store = result.dataset.store
+    lossy = [ref for ref in meta["sources"] if is_lossy(store.open(ref).meta)]
     lines = [
         f"{result.ref}  from {', '.join(meta['sources'])}"
         + ("  (cached)" if result.reused else ""),
+        *([f"  LOSSY: {', '.join(lossy)} verified by {LOSSY_NOTE}"] if lossy else []),
         f"  tau {meta['tau']:.3f} over {meta['verify_steps']} verify steps, {meta['drafted_tokens']} drafted tokens",
         f"  alpha by offset [{alpha}]",
     ]

@@ -62,7 +62,7 @@ from pipeline.core.decoders import check_tree_setting, decoder
 from pipeline.core.drafters import check_drafting_depth, load_drafter_dataset
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, HELDOUT_SETS, Inputs, Stage
-from pipeline.core.targets import resolve_dtype
+from pipeline.core.targets import check_engine_target, resolve_dtype
 from storage import Dataset, DatasetWriter, OpdError
 
 log = logging.getLogger("opd")
@@ -328,10 +328,6 @@ def vllm_stats(
     from pipeline.core.export import ensure_export
 
     loader = ctx.target_loader
-    if loader.directory is None:
-        raise OpdError(
-            "evaluate.backend=vllm needs a target directory; target.path=random is not one"
-        )
     try:
         stats = vllm_engine.measure_speculation(
             vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(loader.cfg), seed=cfg.seed),
@@ -420,6 +416,7 @@ def run(
             "evaluate.backend=vllm with drafting.acceptance=typical: vLLM verifies with its "
             "lossless rejection sampler only; evaluate typical acceptance with backend=hf"
         )
+    check_engine_target("evaluate", cfg, ctx.target_loader.cfg)
     if cfg.tree is not None and cfg.backend == "vllm":
         raise OpdError(
             "evaluate.backend=vllm with drafting.tree: vLLM serves EAGLE-3 on a static "

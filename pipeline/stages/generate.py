@@ -31,7 +31,7 @@ from pipeline.core.config import StrictConfig, runtime_field
 from pipeline.core.prompt_sets import select_prompts
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import Inputs, Stage
-from pipeline.core.targets import resolve_dtype
+from pipeline.core.targets import check_engine_target, resolve_dtype
 from storage import DatasetWriter, OpdError
 
 SCHEMA = pa.schema(
@@ -81,10 +81,7 @@ def _start_vllm(cfg: Config, ctx: RunContext) -> tuple[vllm_engine.EngineSpec | 
     if resolved_engine(cfg, ctx) != "vllm":
         return None, False
     loader = ctx.target_loader
-    if loader.directory is None:
-        raise OpdError(
-            "generate.backend=vllm needs a target directory; target.path=random is not one"
-        )
+    check_engine_target("generate", cfg, loader.cfg)
     spec = vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(loader.cfg))
     try:
         return spec, vllm_engine.start(spec)

@@ -150,10 +150,11 @@ class Config(TrainConfig):
     def _check_kind(self, drafter: KindSettings) -> None:
         depth = drafter.max_draft_depth()
         if depth is not None and self.ttt_steps > depth:
+            deeper = f"raise drafter.{drafter.depth_setting} or " if drafter.depth_setting else ""
             raise ValueError(
                 f"drafting.ttt_steps ({self.ttt_steps}) trained offsets do not fit a "
-                f"{drafter.kind} drafter drafting {depth} per step; raise drafter.block_size or "
-                "lower drafting.ttt_steps"
+                f"{drafter.kind} drafter drafting {depth} per step; {deeper}lower "
+                "drafting.ttt_steps"
             )
         spec = KINDS[drafter.kind]
         if self.objective is not None and self.objective not in spec.objectives:

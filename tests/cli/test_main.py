@@ -114,3 +114,18 @@ def test_show_verify_hashes_every_byte(tmp_path):
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as the cache knows
     out = _one_line_error(tmp_path, "show", "prompts", "--verify")
     assert f"{ds.ref}: shard 'a.parquet' fails its sha256 check" in out
+
+
+def test_an_option_out_of_its_range_is_one_line_not_clicks_usage_block(tmp_path):
+    root = tmp_path / "root"
+    for args, message in (
+        (["experiment", "opd-vs-sft", "--seeds", "0"], "'--seeds': 0 is not in the range x>=1"),
+        (["experiment", "opd-vs-sft", "--budget", "-1"], "'--budget': -1 is not in the range"),
+        (["experiment", "ablate", "--seeds", "0"], "'--seeds': 0 is not in the range x>=1"),
+        (["experiment", "ablate", "--budget", "0"], "'--budget': 0 is not in the range x>=1"),
+        (["experiment", "objectives", "--seeds", "0"], "'--seeds': 0 is not in the range"),
+        (["--threads", "0", "ls"], "'--threads': 0 is not in the range x>=1"),
+    ):
+        args = args if args[0] == "--threads" else [*args, "--profile", "tiny"]
+        assert message in _one_line_error(root, *args), args
+    assert not root.exists()  # nothing written

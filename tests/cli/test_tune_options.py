@@ -31,6 +31,8 @@ def _one_line_error(result, message: str) -> None:
         (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
         (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        # was ignored: tune timed lossless decoding and recorded it for this setting
+        (["--set", "drafting.acceptance=typical"], "drafting.acceptance=typical is lossy: drop"),
     ],
 )
 def test_bad_tune_options_are_one_line_errors_before_any_work(tmp_path, args, message):

@@ -2,18 +2,29 @@
 
 import shutil
 
+import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
 from storage import Store
 
 
-def test_a_refused_vllm_evaluation_leaves_no_directory(reference, tmp_path):
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        # refused before the stage opens its output: no directory at all
+        (["--k", "3", "--backend", "vllm"], "evaluate.backend=vllm needs a target directory"),
+        # refused inside the stage, before its first shard: the empty directory is removed
+        (["--k", "5"], "drafting depth 5 exceeds the 3 steps"),
+    ],
+)
+def test_a_refused_evaluation_leaves_no_directory(reference, tmp_path, options, message):
     root = tmp_path / "root"
     shutil.copytree(reference.root, root)
-    args = ["--root", str(root), "eval", "--profile", "tiny", "--k", "3", "--backend", "vllm"]
+    args = ["--root", str(root), "eval", "--profile", "tiny", *options]
     r = CliRunner().invoke(cli, [*args, "--drafter", str(reference.results["sft"].ref)])
     assert r.exit_code == 2, r.output
-    assert "evaluate.backend=vllm needs a target directory" in r.output.strip().splitlines()[-1]
+    assert message in r.output.strip().splitlines()[-1]
     assert Store(root).listing("eval") == []
-    assert sorted(p.name for p in (root / "eval").iterdir() if not p.name.endswith(".lock")) == []
+    left = (root / "eval").iterdir() if (root / "eval").exists() else []
+    assert sorted(p.name for p in left if not p.name.endswith(".lock")) == []

@@ -54,6 +54,43 @@ def test_gc_never_takes_the_lock_or_the_directory_of_a_writer_starting_beside_it
     assert values(store) == [1, 2]
 
 
+def test_gc_never_removes_the_directory_of_a_rank_whose_lock_file_did_not_exist_yet(
+    tmp_path, monkeypatch
+):
+    store = Store(tmp_path)
+
+    def rank(r: int):
+        return store.writer(
+            "prompts", stage="prompts", stage_version="1", config={}, rank=r, world_size=2
+        )
+
+    with rank(1) as one:
+        one.write_parquet("part-1.parquet", pa.table({"x": [2]}))
+        one.rank_done()
+    # Rank 0 starts between gc's listing of the version's lock files and its flocks: its own
+    # lock file did not exist when gc listed them.
+    zero, real, pending = rank(0), fcntl.flock, [True]
+
+    def flock(fd: int, op: int) -> None:
+        if pending:
+            pending.clear()
+            zero.__enter__()
+            zero.write_parquet("part-0.parquet", pa.table({"x": [1]}))
+        real(fd, op)
+
+    monkeypatch.setattr(storage.store.fcntl, "flock", flock)
+    removed = store.gc()
+    monkeypatch.undo()
+    try:
+        assert removed == [] and zero.ranks_done() == [1]
+        zero.rank_done()
+        zero.wait_for_ranks(timeout_s=5)
+        zero.commit()
+    finally:
+        zero.__exit__(None, None, None)
+    assert sorted(values(store)) == [1, 2]
+
+
 def test_gc_removes_an_abandoned_lock_and_directory_holding_them_first(tmp_path):
     store = Store(tmp_path)
     with pytest.raises(KeyboardInterrupt):

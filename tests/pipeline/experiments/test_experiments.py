@@ -339,6 +339,10 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
     assert clash.exit_code != 0 and "name the kind once" in clash.output
 
 
+TYPICAL = "drafting.acceptance=typical"
+LOSSY_ROLLOUT = "rollout must keep the target's law, and drafting.acceptance=typical is lossy"
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -359,6 +363,8 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
             ["--drafter-kind", "dflash", "--set", "drafter.layers=0"],
             "drafter.layers: Input should be greater than or equal to 1",
         ),
+        # its rounds' rollout refused it only after the warm-up and the whole SFT arm
+        (["--drafter-kind", "medusa", "--set", TYPICAL], LOSSY_ROLLOUT),
     ],
 )
 def test_bad_opd_vs_sft_options_are_one_line_errors_before_any_stage(tmp_path, options, message):
@@ -371,6 +377,7 @@ def test_bad_opd_vs_sft_options_are_one_line_errors_before_any_stage(tmp_path, o
         (["--budget-ratio", "inf"], "--budget-ratio must be a finite number in (0, 1000], got inf"),
         (["--budget-ratio", "nan"], "--budget-ratio must be a finite number in (0, 1000], got nan"),
         (["--budget-ratio", "0"], "--budget-ratio must be a finite number in (0, 1000], got 0"),
+        (["--set", "drafter.kind=medusa", "--set", TYPICAL], LOSSY_ROLLOUT),  # after the warm-up
     ],
 )
 def test_bad_ablate_options_are_one_line_errors_before_any_stage(tmp_path, options, message):

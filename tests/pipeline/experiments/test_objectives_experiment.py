@@ -112,6 +112,8 @@ def test_objectives_trains_both_at_matched_steps_and_writes_its_report(tiny):
         ([], 0, "--seeds must be >= 1"),
         (["sft.objective=eagle1"], 1, "drop --set sft.objective"),
         (['drafting.tree={"depth": 3, "top_k": 2, "budget": 6}'], 1, "drop drafting.tree"),
+        # its table held lossy T=1 numbers, unmarked
+        (["drafting.acceptance=typical"], 1, "drafting.acceptance=typical is lossy: drop it"),
     ],
 )
 def test_objectives_refuses_bad_input_before_any_work(tiny, sets, seeds, message):

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from cli.main import cli
-from models.drafters import load_drafter
+from models.drafters import KINDS, load_drafter
 from models.features import Features
 from models.losses import (
     feature_regression,
@@ -487,3 +487,21 @@ def test_a_dflash_summary_names_the_objective_it_trained(two_kinds):
     store = Store(root)
     assert store.open(dflash).meta["objective"] == "dflash"
     assert store.open(eagle3).meta["objective"] == "eagle3"
+
+
+def test_a_drafter_too_shallow_for_its_trained_offsets_names_its_own_kinds_setting():
+    # Medusa's heads=2 error told the user to raise drafter.block_size, which Medusa refuses.
+    with pytest.raises(OpdError) as e:
+        load_config("tiny", sets=["drafter.kind=medusa", "drafter.heads=2"])
+    assert "medusa drafter drafting 2 per step; raise drafter.heads or lower" in str(e.value)
+    assert "block_size" not in str(e.value)
+    for spec in KINDS.values():
+        depth = spec.settings_of({}).max_draft_depth()
+        if depth is None:
+            continue
+        setting = spec.settings.depth_setting
+        assert setting in spec.settings.model_fields, spec.name
+        with pytest.raises(OpdError, match=f"raise drafter.{setting} or lower"):
+            load_config(
+                "tiny", sets=[f"drafter.kind={spec.name}", f"drafting.ttt_steps={depth + 1}"]
+            )
