@@ -25,7 +25,7 @@ from models.drafter import ExportTarget
 from models.drafters import kind_spec
 from models.export import ExportError, round_trip_diff, write_export
 from pipeline.core.drafters import check_drafting_depth, drafter_kind, load_drafter_dataset
-from pipeline.core.targets import EMBEDDED_TARGET, TargetLoader, in_process
+from pipeline.core.targets import TargetLoader
 from storage import Dataset, OpdError
 from storage.fingerprint import VERSION_LEN
 from storage.jsonfile import UnreadableJson, read_json_object
@@ -45,10 +45,7 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def _target_dir(loader: TargetLoader) -> Path | None:
     """The target's model directory (None for the in-process random and shape targets)."""
-    path = loader.cfg.path
-    if in_process(loader.cfg):
-        return None
-    return EMBEDDED_TARGET if path == "embedded" else Path(path).expanduser().resolve()
+    return loader.directory
 
 
 def _serve_dir(loader: TargetLoader) -> str:

@@ -131,7 +131,7 @@ def model_directory(path: str) -> Path:
             return smollm2.get(default_root(), say=lambda line: print(line, flush=True))
         except ValueError as e:
             raise OpdError(f"target.path=smollm2: {e}") from None
-    return Path(path)
+    return Path(path).expanduser()
 
 
 def check_engine_target(stage: str, section: StrictConfig, target: TargetConfig) -> None:

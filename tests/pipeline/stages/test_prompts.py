@@ -528,7 +528,7 @@ def test_new_settings_leave_existing_prompt_versions_unchanged():
 
     recorded = version_dict(PromptsConfig())
     assert "heldout_sets" not in recorded and "magpie" not in recorded
-    assert version_dict(PromptsConfig(source="magpie"))["magpie"]["rows"] == 800
+    assert version_dict(PromptsConfig(source="magpie"))["magpie"]["rows"] == 600
     with pytest.raises(ValueError, match="prompts.source=magpie"):
         PromptsConfig(magpie={"rows": 3})
 
