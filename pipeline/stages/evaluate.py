@@ -396,9 +396,8 @@ def run(
         )
     if cfg.tree is not None and cfg.backend == "vllm":
         raise OpdError(
-            "evaluate.backend=vllm with drafting.tree: vLLM serves EAGLE-3 on a static "
-            "speculative_token_tree, not EAGLE-2's dynamic trees (docs/drafters.md: draft trees); "
-            "evaluate trees with backend=hf"
+            "evaluate.backend=vllm with drafting.tree: vLLM serves drafters as chains and has no "
+            "draft-tree setting (docs/drafters.md: draft trees); evaluate trees with backend=hf"
         )
     check_drafting_depth(inputs["drafter"], cfg.k if cfg.tree is None else cfg.tree.depth)
     target = ctx.target_loader.target
