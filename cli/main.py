@@ -48,7 +48,8 @@ class _Group(click.Group):
     "--verbose",
     is_flag=True,
     help="Show the engines' own output (vLLM's log, its Triton and LD_PRELOAD notices) on "
-    "stderr instead of in a log file in the stage's work directory [env OPD_VERBOSE=1].",
+    "stderr instead of in a log file in the stage's work directory, and the INFO notices of "
+    "Prefect and other libraries [env OPD_VERBOSE=1].",
 )
 @click.pass_context
 def cli(ctx: click.Context, root: Path | None, threads: int | None, verbose: bool) -> None:
