@@ -13,12 +13,27 @@ PROFILE_HELP = (
 )
 
 
+def _stage_lines_and_problems(record) -> bool:
+    """The project's own lines, and warnings or errors from anywhere: not the INFO notices of
+    the libraries under it (Prefect's server and flow-run states, httpx's requests)."""
+    import logging
+
+    return record.levelno >= logging.WARNING or record.name.split(".")[0] == "opd"
+
+
 def setup_logging(prefix: str = "") -> None:
     import logging
 
+    from models.vllm_engine import verbose
+
+    root = logging.getLogger()
+    before = list(root.handlers)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"
     )
+    if not verbose():  # only on the handler set up here, not on one a host process installed
+        for handler in set(root.handlers) - set(before):
+            handler.addFilter(_stage_lines_and_problems)
 
 
 def states_target(

@@ -15,6 +15,7 @@ import click
 import torch
 
 from cli import data, experiment, measure, run, serve, target
+from models import vllm_engine
 from storage import OpdError, Store, default_root
 
 
@@ -57,8 +58,15 @@ def _fail(message: str) -> NoReturn:
     help="CPU threads for torch in this process and the processes it launches [default: "
     "torch's, one per core]. Give processes that share the cores their share of them.",
 )
+@click.option(
+    "--verbose",
+    is_flag=True,
+    help="Show the engines' own output (vLLM's log, its Triton and LD_PRELOAD notices) on "
+    "stderr instead of in a log file in the stage's work directory, and the INFO notices of "
+    "Prefect and other libraries [env OPD_VERBOSE=1].",
+)
 @click.pass_context
-def cli(ctx: click.Context, root: Path | None, threads: int | None) -> None:
+def cli(ctx: click.Context, root: Path | None, threads: int | None, verbose: bool) -> None:
     """Draft-OPD: train speculative-decoding drafters as versioned, resumable stages.
 
     Datasets are referenced as NAME@VERSION, NAME@latest (or just NAME) and NAME@run:RUN.
@@ -70,6 +78,8 @@ def cli(ctx: click.Context, root: Path | None, threads: int | None) -> None:
     if root is not None:
         # named targets (target.path=smollm2) live under the root, and launched ranks resolve it
         os.environ["OPD_HOME"] = str(root)
+    if verbose:
+        os.environ[vllm_engine.VERBOSE_ENV] = "1"  # engines start in this process or its ranks
     ctx.obj = Store(root if root is not None else default_root())
 
 

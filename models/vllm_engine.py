@@ -9,6 +9,10 @@ keeps vLLM's thread binding (it pins OpenMP threads and disables `torch.set_num_
 the process that runs the rest of the pipeline.
 
 Errors a user can act on are raised as `VllmError` with a one-line message.
+
+vLLM's own output (its log records, its engine processes' stderr: Triton and LD_PRELOAD notices,
+warnings, progress bars) goes to the log file the caller names (`engine(spec, log=...)`), so a
+stage prints its own lines only; `OPD_VERBOSE=1` (`opd --verbose`) shows it on stderr instead.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ INSTALL_HINT = (
 KV_CACHE_HINT = (
     "raise VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, CPU build) or gpu_memory_utilization (GPU)"
 )
+VERBOSE_ENV = "OPD_VERBOSE"
+"""Set (not 0): vLLM's own output goes to stderr, not to the engine's log file."""
 # vLLM sizes the CPU KV cache from this (GiB); unset, it takes a share of all host memory.
 DEFAULT_CPU_KVCACHE_GIB = "1"
 SMALL_CPU_CORES = 4
@@ -103,12 +109,23 @@ _ENGINE_PROCESSES: dict[EngineSpec, set[multiprocessing.process.BaseProcess]] = 
 """The processes each engine's start spawned (its engine core), to reap when it closes."""
 _ENGINE_SOCKETS: dict[EngineSpec, Path] = {}
 """The directory of each engine's unix sockets, to remove when it closes."""
+_ENGINE_LOGS: dict[EngineSpec, Path] = {}
+"""The file each quiet engine's output goes to."""
 ENGINE_EXIT_S = 30  # vLLM force-kills its engine core after ~5 s; this only bounds the wait
+
+
+def verbose() -> bool:
+    """Whether vLLM's own output is shown on stderr (`OPD_VERBOSE`), not written to a log file."""
+    return os.environ.get(VERBOSE_ENV, "0") not in ("", "0")
 
 
 def unavailable_reason() -> str | None:
     """Why vLLM cannot be used here (None when it imports)."""
     _prepare_environment()
+    if not verbose():
+        # Logged on import, before vLLM's logging is set up: that this CPU has no Triton
+        # backend, which vLLM's CPU build does not use.
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -175,16 +192,17 @@ def _prepare_environment() -> None:
 
 
 @contextmanager
-def _stderr_tail(lines: int = 400) -> Iterator[deque[str]]:
-    """Route fd 2 through a pipe that is copied to the real stderr and keeps its last lines.
+def _stderr_tail(log: Path | None, lines: int = 400) -> Iterator[deque[str]]:
+    """Route fd 2 through a pipe that is copied to `log` (None: the real stderr) and keeps its
+    last lines.
 
     A start-up failure inside the engine's child process reaches this process only as "see root
     cause above"; the child inherits fd 2, so its reason can be read from the copy. The copying
-    thread lives as long as any process holds the pipe, so the engine's later logs still show.
+    thread lives as long as any process holds the pipe, so the engine's later output is copied too.
     """
     tail: deque[str] = deque(maxlen=lines)
     read_fd, write_fd = os.pipe()
-    real = os.dup(2)
+    real = os.dup(2) if log is None else os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 
     def pump() -> None:
         with os.fdopen(read_fd, "rb") as src:
@@ -219,26 +237,69 @@ def _root_cause(tail: Sequence[str]) -> str | None:
     return None
 
 
-def _start_failure(spec: EngineSpec, error: BaseException, tail: Sequence[str]) -> VllmError:
+def _start_failure(
+    spec: EngineSpec, error: BaseException, tail: Sequence[str], log: Path | None = None
+) -> VllmError:
     # vLLM's wrappers point at the child's traceback in two wordings (engine core, worker)
     pointer = re.search(r"See (root cause above|stack trace for root cause)", str(error))
+    if pointer and log is not None and log.is_file():  # the engine processes' records are there
+        tail = [*log.read_text(errors="replace").splitlines()[-400:], *tail]
     reason = _root_cause(tail) if pointer else None
     reason = " ".join((reason or f"{type(error).__name__}: {error}").split())
     if re.search(r"KV cache|cache blocks", reason, re.IGNORECASE):
-        return VllmError(
+        message = (
             f"vLLM's engine for {spec.model} has too little KV-cache memory ({reason}); "
             f"{KV_CACHE_HINT}"
         )
-    if spec.drafter is not None:
-        return VllmError(f"vLLM refused the drafter export {spec.drafter}: {reason}")
-    return VllmError(f"vLLM could not start an engine for {spec.model}: {reason}")
+    elif spec.drafter is not None:
+        message = f"vLLM refused the drafter export {spec.drafter}: {reason}"
+    else:
+        message = f"vLLM could not start an engine for {spec.model}: {reason}"
+    return VllmError(message if log is None else f"{message} (vLLM's log: {log})")
 
 
-def engine(spec: EngineSpec) -> Any:
-    """The started `vllm.LLM` for `spec` (started once per process)."""
+def _file_logging(log: Path) -> Path:
+    """A logging config (dictConfig JSON, beside `log`) that appends vLLM's records to `log`.
+
+    vLLM applies it in this process as the engine starts and hands it to its engine processes;
+    their other output (warnings, native code, progress bars) reaches `log` through fd 2.
+    """
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "vllm": {"format": "%(levelname)s %(asctime)s %(processName)s[%(process)d] %(message)s"}
+        },
+        "handlers": {
+            "vllm": {
+                "class": "logging.FileHandler",
+                "filename": str(log),
+                "encoding": "utf-8",
+                "formatter": "vllm",
+            }
+        },
+        "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}},
+    }
+    path = log.with_name(log.name + ".logging.json")
+    path.write_text(json.dumps(config))
+    return path
+
+
+def log_path(spec: EngineSpec) -> Path | None:
+    """Where the running engine for `spec` writes vLLM's output (None: on stderr, or not running)."""
+    return _ENGINE_LOGS.get(spec)
+
+
+def engine(spec: EngineSpec, log: Path | None = None) -> Any:
+    """The started `vllm.LLM` for `spec` (started once per process).
+
+    `log`: the file vLLM's output goes to from this start on (None, or `OPD_VERBOSE`: stderr).
+    """
     if spec in _ENGINES:
         return _ENGINES[spec]
     _require()
+    if verbose():
+        log = None
     if (why := unsupported_reason(spec.model)) is not None:
         raise VllmError(why)
     from vllm import LLM
@@ -273,16 +334,22 @@ def engine(spec: EngineSpec) -> Any:
     # default) as it starts, seven here, and three outlive its shutdown: each engine gets a
     # directory of its own under that base, removed when the engine closes.
     sockets = Path(tempfile.mkdtemp(prefix="opd-vllm-", dir=os.environ.get("VLLM_RPC_BASE_PATH")))
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":  # else vLLM refuses a config
+            kwargs["log_config_file"] = str(_file_logging(log))
     before = set(multiprocessing.active_children())
-    with _stderr_tail() as tail, _environ("VLLM_RPC_BASE_PATH", str(sockets)):
+    with _stderr_tail(log) as tail, _environ("VLLM_RPC_BASE_PATH", str(sockets)):
         try:
             llm = LLM(**kwargs)
         except Exception as e:  # vLLM raises ValueError, pydantic errors and RuntimeError here
             shutil.rmtree(sockets, ignore_errors=True)
-            raise _start_failure(spec, e, tail) from e
+            raise _start_failure(spec, e, tail, log) from e
     _ENGINES[spec] = llm
     _ENGINE_PROCESSES[spec] = set(multiprocessing.active_children()) - before
     _ENGINE_SOCKETS[spec] = sockets
+    if log is not None:
+        _ENGINE_LOGS[spec] = log
     return llm
 
 
@@ -300,11 +367,11 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
-def start(spec: EngineSpec) -> bool:
-    """Start the engine for `spec` unless it runs already; True when this call started it (the
-    caller then owns it and closes it when done)."""
+def start(spec: EngineSpec, log: Path | None = None) -> bool:
+    """Start the engine for `spec` (its output to `log`, see `engine`) unless it runs already;
+    True when this call started it (the caller then owns it and closes it when done)."""
     running = spec in _ENGINES
-    engine(spec)
+    engine(spec, log)
     return not running
 
 
@@ -320,6 +387,7 @@ def close(spec: EngineSpec | None = None) -> None:
             proc.join(timeout=ENGINE_EXIT_S)
         if (sockets := _ENGINE_SOCKETS.pop(key, None)) is not None:
             shutil.rmtree(sockets, ignore_errors=True)
+        _ENGINE_LOGS.pop(key, None)
 
 
 def _sampling(
@@ -404,9 +472,10 @@ def speculate(
 
 
 @contextmanager
-def running(spec: EngineSpec) -> Iterator[Any]:
-    """The engine for `spec`; stopped on exit when this call started it (a cached one stays)."""
-    started = start(spec)
+def running(spec: EngineSpec, log: Path | None = None) -> Iterator[Any]:
+    """The engine for `spec` (its output to `log`, see `engine`); stopped on exit when this call
+    started it (a cached one stays)."""
+    started = start(spec, log)
     try:
         yield engine(spec)
     finally:
@@ -430,15 +499,17 @@ def measure_speculation(
     seed: int,
     stop_ids: Sequence[int],
     reference: Sequence[Sequence[int]] | None = None,
+    log: Path | None = None,
 ) -> dict[str, Any]:
-    """Speculative decoding inside vLLM with the exported drafter on `prompts`.
+    """Speculative decoding inside vLLM with the exported drafter on `prompts` (vLLM's own
+    output to `log`, see `engine`).
 
     Returns `tau_vllm` (1 + accepted / drafts from vLLM's counters), its drafts and acceptance
     per position and, at T=0, `vllm_lossless` (share of prompts whose speculative output equals
     the same engine without a drafter) and `vllm_matches_project` (share equal to `reference`).
     """
     spec = EngineSpec(target.model, target.dtype, drafter_dir, k, target.seed, method)
-    with running(spec):
+    with running(spec, log):
         outs, spent = speculate(
             spec,
             prompts,
@@ -455,7 +526,7 @@ def measure_speculation(
         else [],
     }
     if temperature == 0:
-        with running(target):
+        with running(target, log):
             plain = generate(target, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
         stats["vllm_lossless"] = _share_equal(outs, [ids for ids, _ in plain])
         if reference is not None:

@@ -23,9 +23,8 @@ SPEC = KindSpec(
     serve_method="eagle3",
     objectives={"eagle3": "EAGLE-3 (training-time test)", "eagle1": "EAGLE-1 (L_reg + 0.1 CE)"},
     tree_note=(
-        "vLLM serves this EAGLE-3 drafter as a chain of num_speculative_tokens drafts; its only "
-        "tree setting is a static speculative_token_tree (fixed shape, top-k per level, "
-        "TREE_ATTN attention backend on GPU), not the dynamic EAGLE-2 trees of drafting.tree "
-        "(docs/drafters.md: draft trees)"
+        "vLLM serves this EAGLE-3 drafter as a chain of num_speculative_tokens drafts; its "
+        "speculative config has no draft-tree setting, so the EAGLE-2 trees of drafting.tree "
+        "run in the project's own decoder only (docs/drafters.md: draft trees)"
     ),
 )

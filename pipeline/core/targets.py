@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
@@ -201,6 +202,53 @@ def _build_random(cfg: RandomTargetConfig, vocab_size: int, tokenizer: Any) -> t
     return model
 
 
+_GIB = 1 << 30
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory this process can still take: the kernel's MemAvailable, less where a
+    cgroup (v2) limit leaves less; None where neither can be read (not Linux)."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE)
+    if found is None:
+        return None
+    free = int(found.group(1)) * 1024
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return free
+    return free if limit == "max" else min(free, int(limit) - used)
+
+
+def check_shape_fits(
+    path: str, shape: ModelShape, dtype: torch.dtype, device: torch.device, available: int | None
+) -> None:
+    """Refuse a shape whose weights alone exceed the host memory available, before any tensor.
+
+    `build_model` makes the weights in fp32 on the host whatever the dtype (so a seed gives the
+    same weights anywhere), and casting to another dtype on the CPU holds both copies at once.
+    A GPU's own shortage surfaces as torch's out-of-memory error, caught by the loader.
+    """
+    if available is None:
+        return
+    need, held = shape.parameters * 4, "fp32"
+    if device.type == "cpu" and dtype != torch.float32:
+        need += shape.parameters * dtype.itemsize
+        held = f"fp32 and {dtype}".replace("torch.", "")
+    if need > available:
+        raise OpdError(
+            f"target {path} ({shape.num_layers} layers, width {shape.hidden_size}: "
+            f"{shape.parameters / 1e9:.2f}B parameters) needs {need / _GIB:.1f} GiB of host "
+            f"memory for its {held} weights alone, and {available / _GIB:.1f} GiB is available: "
+            "use fewer layers or a narrower width (--set target.shape.num_layers=N, "
+            "target.shape.hidden_size=N)"
+        )
+
+
 class TargetLoader:
     """Loads the configured target lazily, once; `identity` is what enters dataset versions."""
 
@@ -258,7 +306,9 @@ class TargetLoader:
                 model = _build_random(self.cfg.random, len(self.tokenizer), self.tokenizer)
                 return Target.from_model(model.to(device=device, dtype=dtype), aux_layer_ids=ids)
             if self.cfg.path.startswith(SHAPE_PREFIX):
-                model = build_model(target_shape(self.cfg), self.tokenizer, self.cfg.shape.seed)
+                shape = target_shape(self.cfg)
+                check_shape_fits(self.cfg.path, shape, dtype, device, available_memory())
+                model = build_model(shape, self.tokenizer, self.cfg.shape.seed)
                 return Target.from_model(model.to(device=device, dtype=dtype), aux_layer_ids=ids)
             path = model_directory(self.cfg.path)
             return load_target(

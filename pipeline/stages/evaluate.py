@@ -38,6 +38,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import polars as pl
@@ -322,9 +323,11 @@ def vllm_stats(
     prompts: list[list[int]],
     sequences: list[list[int]],
     tau: float,
+    engine_log: Path | None = None,
 ) -> dict:
-    """The drafter's export run inside vLLM (see `Config.backend`), with a note when its τ
-    differs from the project decoder's by more than TAU_VLLM_TOLERANCE."""
+    """The drafter's export run inside vLLM (see `Config.backend`; vLLM's own output to
+    `engine_log`), with a note when its τ differs from the project decoder's by more than
+    TAU_VLLM_TOLERANCE."""
     from pipeline.core.export import ensure_export
 
     loader = ctx.target_loader
@@ -340,9 +343,12 @@ def vllm_stats(
             seed=cfg.seed,
             stop_ids=loader.target.eos_token_ids,
             reference=sequences,
+            log=engine_log,
         )
     except vllm_engine.VllmError as e:
         raise OpdError(f"evaluate.backend=vllm: {e}") from None
+    if engine_log is not None and engine_log.is_file():  # else on stderr (opd --verbose)
+        log.info("[evaluate] vLLM's engine log: %s", engine_log)
     gap = stats["tau_vllm"] / tau - 1
     if abs(gap) > TAU_VLLM_TOLERANCE:
         why = (
@@ -419,9 +425,8 @@ def run(
     check_engine_target("evaluate", cfg, ctx.target_loader.cfg)
     if cfg.tree is not None and cfg.backend == "vllm":
         raise OpdError(
-            "evaluate.backend=vllm with drafting.tree: vLLM serves EAGLE-3 on a static "
-            "speculative_token_tree, not EAGLE-2's dynamic trees (docs/drafters.md: draft trees); "
-            "evaluate trees with backend=hf"
+            "evaluate.backend=vllm with drafting.tree: vLLM serves drafters as chains and has no "
+            "draft-tree setting (docs/drafters.md: draft trees); evaluate trees with backend=hf"
         )
     check_drafting_depth(inputs["drafter"], cfg.k if cfg.tree is None else cfg.tree.depth)
     target = ctx.target_loader.target
@@ -464,6 +469,7 @@ def run(
             prompts,
             out.sequences,
             stats["tau"],
+            output.store.root / "_work" / "evaluate" / output.version / "vllm.log",
         )
     if cfg.untrained_contrast:
         quick = cfg.model_copy(update={"measure_baseline": False})

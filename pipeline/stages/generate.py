@@ -19,6 +19,7 @@ Resumes: completed shards are skipped.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import pyarrow as pa
@@ -33,6 +34,8 @@ from pipeline.core.runner import RunContext
 from pipeline.core.stage import Inputs, Stage
 from pipeline.core.targets import check_engine_target, resolve_dtype
 from storage import DatasetWriter, OpdError
+
+log = logging.getLogger("opd")
 
 SCHEMA = pa.schema(
     [
@@ -76,17 +79,26 @@ def resolved_engine(cfg: Config, ctx: RunContext) -> str:
     return "hf" if vllm_engine.unsupported_reason(str(directory)) else "vllm"
 
 
-def _start_vllm(cfg: Config, ctx: RunContext) -> tuple[vllm_engine.EngineSpec | None, bool]:
-    """(the engine spec, whether this call started it) with the vLLM backend; (None, False) without."""
+def _start_vllm(
+    cfg: Config, ctx: RunContext, output: DatasetWriter
+) -> tuple[vllm_engine.EngineSpec | None, bool]:
+    """(the engine spec, whether this call started it) with the vLLM backend; (None, False) without.
+
+    vLLM's own output goes to `vllm.log` in the stage's work directory (`opd --verbose`: stderr).
+    """
     if resolved_engine(cfg, ctx) != "vllm":
         return None, False
     loader = ctx.target_loader
     check_engine_target("generate", cfg, loader.cfg)
     spec = vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(loader.cfg))
+    engine_log = output.store.root / "_work" / "generate" / output.version / "vllm.log"
     try:
-        return spec, vllm_engine.start(spec)
+        started = vllm_engine.start(spec, engine_log)
     except vllm_engine.VllmError as e:
         raise OpdError(f"generate.backend=vllm: {e}") from None
+    if (shown := vllm_engine.log_path(spec)) is not None:
+        log.info("[generate] vLLM's engine log: %s", shown)
+    return spec, started
 
 
 @torch.no_grad()
@@ -137,7 +149,7 @@ def run(
         unit="seq",
         disable=not ctx.progress,
     )
-    spec, started = _start_vllm(cfg, ctx)
+    spec, started = _start_vllm(cfg, ctx, output)
     for i in mine:
         shard = f"part-{i:05d}.parquet"
         chunk = jobs[i * cfg.rows_per_shard : (i + 1) * cfg.rows_per_shard]

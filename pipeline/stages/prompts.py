@@ -548,9 +548,11 @@ def _sharegpt_messages(conversations) -> list[dict] | None:
         return None
     out = []
     for turn in conversations:
-        if not isinstance(turn, dict) or turn.get("from") not in _SHAREGPT_ROLES:
+        # a list or dict speaker cannot be looked up (unhashable): a bad row, not a traceback
+        speaker = turn.get("from") if isinstance(turn, dict) else None
+        if not isinstance(speaker, str) or speaker not in _SHAREGPT_ROLES:
             return None
-        out.append({"role": _SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")})
+        out.append({"role": _SHAREGPT_ROLES[speaker], "content": turn.get("value")})
     return out
 
 
@@ -560,11 +562,15 @@ def _valid_messages(messages) -> bool:
         and len(messages) > 0
         and all(
             isinstance(m, dict)
-            and m.get("role") in ROLES
+            and isinstance(m.get("role"), str)  # a list or dict role is unhashable
+            and m["role"] in ROLES
             and isinstance(m.get("content"), str)
             and m["content"].strip()
             for m in messages
         )
+        # The text before an assistant turn is rendered alone; before a first turn it is an
+        # empty conversation, which chat templates refuse.
+        and messages[0]["role"] != "assistant"
     )
 
 
@@ -693,7 +699,12 @@ def _record_rows(
         if (text is not None and not text.strip()) or messages == []:
             skipped["empty"] += 1
             continue
-        size = len(text) if text is not None else len(json.dumps(messages))
+        if text is None and not _valid_messages(messages):
+            skipped["bad_messages"] += 1
+            continue
+        # The size of what is tokenized; a message's other fields (a Parquet datetime, say) are
+        # not, and need not be JSON
+        size = len(text) if text is not None else sum(len(m["content"]) for m in messages)
         if size > cfg.max_chars:
             skipped["too_long"] += 1
             continue
@@ -704,9 +715,6 @@ def _record_rows(
                 continue
             kind, reference_ids, mask, prompt_text = "user_text", [], [0] * len(prompt_ids), text
         else:
-            if not _valid_messages(messages):
-                skipped["bad_messages"] += 1
-                continue
             result = _chat_row(messages, tokenizer, cfg)
             if isinstance(result, str):
                 skipped[result] += 1

@@ -263,15 +263,35 @@ def test_plain_sampling_law_equals_target(law_case):
 
 
 def _count_forwards(monkeypatch, target: Target) -> list[int]:
+    # every target forward runs its layers through forward_features (the prefill without the
+    # full head as well)
     calls = [0]
-    real = target.forward
+    real = target.forward_features
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(target, "forward", counting)
+    monkeypatch.setattr(target, "forward_features", counting)
     return calls
+
+
+def test_the_prefill_computes_the_head_at_each_prompts_last_position_only(
+    tiny_llama: Target, monkeypatch
+):
+    prompts = random_prompts(4, tiny_llama.vocab_size, seed=3, lengths=(5, 12))
+    heads = []
+    real = tiny_llama.logits_from_hidden
+
+    def recording(hidden):
+        heads.append(tuple(hidden.shape[:-1]))
+        return real(hidden)
+
+    monkeypatch.setattr(tiny_llama, "logits_from_hidden", recording)
+    out = target_generate(tiny_llama, prompts, max_new_tokens=1, eos_token_ids=())
+    assert heads == [(4,)]  # one row per prompt, not [B, P, V] over every prompt position
+    monkeypatch.undo()
+    assert out.sequences == hf_greedy(tiny_llama, prompts, 1)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

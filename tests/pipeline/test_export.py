@@ -7,6 +7,8 @@ target's own files exist to be protected, and its path is what the datasets reco
 import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -325,7 +327,7 @@ def test_export_takes_the_target_its_drafter_was_made_with(trained, tmp_path):
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"))
     assert r.exit_code == 0, r.output
     assert f"vllm serve {target_dir.resolve()}" in r.output
-    assert "static speculative_token_tree" in r.output  # what vLLM takes for trees, said once
+    assert r.output.count("no draft-tree setting") == 1  # what vLLM takes for trees, said once
     # restating the same target is fine; so is a copy of it elsewhere (the weights are compared)
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "b"),
             "--set", f"target.path={target_dir}", "--set", "target.aux_layer_ids=[1,2,3]")  # fmt: skip
@@ -515,3 +517,32 @@ def test_export_never_replaces_a_dataset_of_another_data_root(trained, tmp_path)
         assert "data root" in r.output or "dataset" in r.output
     assert {str(p.relative_to(other)) for p in other.rglob("*")} == before
     assert opd(other, "show", ref, "--verify").exit_code == 0
+
+
+# ----------------------------------------------------------------------------- hints on vLLM
+
+
+def test_every_vllm_setting_the_serving_hints_name_is_one_the_installed_vllm_has(tmp_path):
+    """The export's serve command and each kind's note on trees name vLLM's speculative
+    settings; each must be a field of the installed vLLM's `SpeculativeConfig` (and each serve
+    method one it accepts), so a hint never sends a user to a setting vLLM does not have."""
+    config = pytest.importorskip("vllm.config", reason="vLLM is not installed (make vllm)")
+    import dataclasses
+    import typing
+
+    from models.drafters import KINDS
+    from pipeline.core.export import vllm_command
+
+    fields = {f.name for f in dataclasses.fields(config.SpeculativeConfig)}
+    methods = {
+        m for arg in typing.get_args(config.SpeculativeConfig.__dataclass_fields__["method"].type)
+        for m in typing.get_args(arg)
+    }  # fmt: skip
+    for spec in KINDS.values():
+        command = vllm_command("target", tmp_path, 3, spec.serve_method)
+        served = json.loads(shlex.split(command)[-1])
+        assert set(served) <= fields, (spec.name, set(served) - fields)
+        assert served["method"] in methods, spec.name
+        # snake_case words in a note name vLLM settings (the project's own are dotted)
+        named = set(re.findall(r"(?<![\w.])[a-z]+(?:_[a-z]+)+(?![\w.])", spec.tree_note or ""))
+        assert named <= fields, (spec.name, named - fields)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,17 +139,52 @@ def test_a_drafter_vllm_refuses_is_one_line_with_its_reason_and_path(
     assert "\n" not in msg and str(bad) in msg and "NoSuchEagleDrafter" in msg, msg
 
 
-def test_an_engine_without_room_for_its_kv_cache_names_the_setting(embedded: Embedded, tmp_path):
+def test_an_engine_without_room_for_its_kv_cache_names_the_setting_and_its_log(
+    embedded: Embedded, tmp_path, capfd
+):
     # A context this long needs ~12 GB of fp32 KV cache for one request; the default space is 1 GiB.
     model = tmp_path / "long-context-target"
     shutil.copytree(embedded.plain.model, model)
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = 1_000_000
     (model / "config.json").write_text(json.dumps(config))
+    log = tmp_path / "work" / "vllm.log"
+    capfd.readouterr()
     with pytest.raises(vllm_engine.VllmError) as err:
-        vllm_engine.engine(vllm_engine.EngineSpec(str(model)))
+        vllm_engine.engine(vllm_engine.EngineSpec(str(model)), log)
     msg = str(err.value)
     assert "\n" not in msg and "VLLM_CPU_KVCACHE_SPACE" in msg, msg
+    assert msg.endswith(f"(vLLM's log: {log})"), msg
+    # vLLM's traceback is in the log, not on the terminal
+    assert "Traceback" in log.read_text() and "Traceback" not in capfd.readouterr().err
+
+
+_VLLM_LINE = re.compile(r"\b(INFO|WARNING)\b|Triton|LD_PRELOAD")
+
+
+def test_the_generate_stage_on_vllm_prints_none_of_vllms_lines(embedded: Embedded, tmp_path):
+    # in a process of its own, as `opd run` is: its engine starts there (this one's is cached)
+    root = tmp_path / "data"
+    shutil.copytree(embedded.prompts.path, root / "prompts" / embedded.prompts.ref.version)
+    (root / "prompts" / "LATEST").write_text(embedded.prompts.ref.version + "\n")
+    env = os.environ | {"OPD_HOME": str(root), "OMP_NUM_THREADS": "1"}
+    env.pop(vllm_engine.VERBOSE_ENV, None)
+    sets = ["generate.backend=vllm", "generate.max_prompts=4", "generate.max_new_tokens=8"]
+    cmd = [sys.executable, "-m", "cli.main", "run", "generate", "--no-progress"]
+    done = subprocess.run(
+        [*cmd, *(a for s in sets for a in ("--set", s))],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = (done.stdout + done.stderr).splitlines()
+    assert [line for line in printed if _VLLM_LINE.search(line)] == []
+    (said,) = [line for line in printed if "[generate] vLLM's engine log: " in line]
+    log = Path(said.split("[generate] vLLM's engine log: ")[1])
+    assert log.parent == root / "_work" / "generate" / log.parent.name
+    assert sum(line.startswith("INFO ") for line in log.read_text().splitlines()) > 10
 
 
 def _defunct_children() -> list[str]:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -318,6 +319,19 @@ def test_opd_steps_reduce_the_loss_and_write_an_sft_shaped_drafter(world):
     assert summary["trained"] and summary["budget_row_steps"] == int(train["row_steps"].sum())
     assert summary["drafter"] == str(src.ref)
     assert run_stage(opd.STAGE, cfg, _inputs(world), ctx).reused
+
+
+def test_a_validation_log_line_prints_4_significant_digits_and_the_metrics_keep_all(world, caplog):
+    cfg = opd.Config(steps=1, seed=7, **PURE)  # a seed of its own: a new version, so it runs
+    with caplog.at_level("INFO", logger="opd"):
+        ds = run_stage(opd.STAGE, cfg, _inputs(world), world["ctx"]).dataset
+    (line,) = [r.getMessage() for r in caplog.records if "[opd] step 0: val" in r.getMessage()]
+    numbers = re.findall(r"\d+\.\d+(?:e[-+]\d+)?", line)
+    assert len(numbers) == 2 + K, line  # loss, K replay acc, tau_sim (no held-out prompts)
+    assert all(len(n.split("e")[0].replace(".", "").lstrip("0")) <= 4 for n in numbers), line
+    val = pl.read_parquet(ds.file(drafters.METRICS_FILE)).filter(pl.col("kind") == "val")
+    loss = val.filter(pl.col("step") == 0)["loss"][0]
+    assert f"val replay loss {loss:.4g}," in line and repr(loss) != f"{loss:.4g}"
 
 
 def test_budget_sets_the_steps_and_every_loss_and_anchor_trains(world):

@@ -1,3 +1,5 @@
+import datetime
+import decimal
 import json
 import shutil
 import textwrap
@@ -221,6 +223,83 @@ def test_a_lone_surrogate_is_a_skipped_row_not_a_traceback(tokenizer, tmp_path):
     assert skipped == {"not_utf8": 2}
     with pytest.raises(ValueError, match=r"no usable prompt rows \(not_utf8: 1\)"):
         user_rows(write_jsonl(tmp_path / "only.jsonl", [lone]), tokenizer, PromptsConfig())
+
+
+def test_a_list_or_dict_role_is_a_skipped_row_in_jsonl_and_parquet(tokenizer, tmp_path):
+    good = [json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) for i in range(3)]
+    bad = [
+        {"messages": [{"role": ["user"], "content": "hi"}]},
+        {"messages": [{"role": {"name": "user"}, "content": "hi"}]},
+        {"conversations": [{"from": ["human"], "value": "hi"}]},
+        {"conversations": [{"from": {"who": "gpt"}, "value": "hi"}]},
+    ]
+    path = write_jsonl(tmp_path / "roles.jsonl", [good[0], *map(json.dumps, bad), *good[1:]])
+    rows, skipped = user_rows(path, tokenizer, PromptsConfig())
+    assert sorted(r["source"] for r in rows) == ["roles.jsonl:1", "roles.jsonl:6", "roles.jsonl:7"]
+    assert skipped == {"bad_messages": 4}
+    # Parquet holds one type per column: good rows in `text`, the bad one's role a list
+    message = pa.struct([("role", pa.list_(pa.string())), ("content", pa.string())])
+    table = pa.table(
+        {
+            "text": ["def f():\n", None, "def g():\n"],
+            "messages": pa.array(
+                [None, [{"role": ["user"], "content": "hi"}], None], pa.list_(message)
+            ),
+        }
+    )
+    pq.write_table(table, tmp_path / "roles.parquet")
+    rows, skipped = user_rows(tmp_path / "roles.parquet", tokenizer, PromptsConfig())
+    assert sorted(r["source"] for r in rows) == ["roles.parquet:0", "roles.parquet:2"]
+    assert skipped == {"bad_messages": 1}
+
+
+def test_parquet_binary_content_is_skipped_and_other_message_fields_are_not_serialized(
+    tokenizer, tmp_path
+):
+    binary = pa.struct([("role", pa.string()), ("content", pa.binary())])
+    pq.write_table(
+        pa.table(
+            {
+                "text": ["def f():\n", None],
+                "messages": pa.array(
+                    [None, [{"role": "user", "content": b"hi"}]], pa.list_(binary)
+                ),
+            }
+        ),
+        tmp_path / "binary.parquet",
+    )
+    rows, skipped = user_rows(tmp_path / "binary.parquet", tokenizer, PromptsConfig())
+    assert [r["source"] for r in rows] == ["binary.parquet:0"]
+    assert skipped == {"bad_messages": 1}
+    # a message's other fields are not tokenized, so no type of theirs matters
+    stamped = pa.struct(
+        [
+            ("role", pa.string()),
+            ("content", pa.string()),
+            ("sent", pa.timestamp("s")),
+            ("cost", pa.decimal128(5, 2)),
+        ]
+    )
+    when, cost = datetime.datetime(2026, 1, 2), decimal.Decimal("1.25")
+    messages = [
+        [{"role": "user", "content": f"Say {w}.", "sent": when, "cost": cost}]
+        for w in ("hello", "goodbye")
+    ]
+    pq.write_table(
+        pa.table({"messages": pa.array(messages, pa.list_(stamped))}), tmp_path / "extra.parquet"
+    )
+    rows, skipped = user_rows(tmp_path / "extra.parquet", tokenizer, PromptsConfig())
+    assert skipped == {} and len(rows) == 2
+    assert rows[0]["prompt_text"].endswith("Say hello.\n<|assistant|>\n")
+
+
+def test_an_assistant_only_conversation_is_one_skipped_row_among_good_ones(tokenizer, tmp_path):
+    good = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(20)]
+    lone = json.dumps({"messages": [{"role": "assistant", "content": "x"}]})
+    first = json.dumps({"messages": [CHAT[2], CHAT[1]]})  # an answer before any question
+    path = write_jsonl(tmp_path / "chat.jsonl", [*good[:10], lone, first, *good[10:]])
+    rows, skipped = user_rows(path, tokenizer, PromptsConfig())
+    assert len(rows) == 20 and skipped == {"bad_messages": 2}
 
 
 def test_a_byte_order_mark_keeps_the_first_row_and_a_deeply_nested_row_is_skipped(
