@@ -36,17 +36,17 @@ def benchmark_prompts(target_dir: Path, sets: list[str], per_set: int) -> list[t
     return [(r["source"].split(":")[0], r["prompt_ids"]) for r in rows]
 
 
-def _method(export: Path) -> str:
-    """vLLM's method for an export directory (recorded by `opd export`)."""
-    record = json.loads((export / "opd_export.json").read_text())
-    return record.get("serve_method") or record.get("method") or "eagle3"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, required=True, help="the target's HF directory")
     ap.add_argument("--sets", nargs="+", required=True)
-    ap.add_argument("--export", action="append", default=[], metavar="NAME=DIR")
+    ap.add_argument(
+        "--export",
+        action="append",
+        default=[],
+        metavar="METHOD=DIR",
+        help="an `opd export` directory and vLLM's speculative method for it (its kind's)",
+    )
     ap.add_argument("--k", type=int, default=6, help="drafted tokens per step for the exports")
     ap.add_argument("--ngram-k", type=int, default=4)
     ap.add_argument("--prompts-per-set", type=int, default=24)
@@ -63,10 +63,8 @@ def main() -> None:
         ),
     }
     for item in args.export:
-        name, _, directory = item.partition("=")
-        engines[name] = EngineSpec(
-            str(args.target), args.dtype, directory, args.k, method=_method(Path(directory))
-        )
+        method, _, directory = item.partition("=")
+        engines[method] = EngineSpec(str(args.target), args.dtype, directory, args.k, method=method)
     for spec in engines.values():
         vllm_engine.start(spec)
     config = json.loads((args.target / "generation_config.json").read_text())

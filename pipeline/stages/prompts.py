@@ -40,6 +40,7 @@ import ast
 import codecs
 import hashlib
 import json
+import logging
 import random
 import re
 from collections import Counter
@@ -64,6 +65,8 @@ from storage import OpdError
 if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("opd")
 
 SPLITS = ("train", "heldout")
 ROLES = frozenset({"system", "user", "assistant"})
@@ -963,9 +966,18 @@ def run(cfg: PromptsConfig, inputs, output, rank: int, world_size: int, ctx) -> 
                     f"{loader.cfg.path} is built in this process: use prompts.magpie.backend=hf"
                 )
             engine = vllm_engine.EngineSpec(str(loader.directory), resolve_dtype(loader.cfg))
-        rows, skipped = build_rows(
-            cfg, ctx.target_loader.tokenizer, ctx.target_loader, ctx.progress, engine
-        )
+            # vLLM's own output goes to the stage's work directory (`opd --verbose`: stderr)
+            engine_log = output.store.root / "_work" / "prompts" / output.version / "vllm.log"
+            started = vllm_engine.start(engine, engine_log)
+            if (shown := vllm_engine.log_path(engine)) is not None:
+                log.info("[prompts] vLLM's engine log: %s", shown)
+        try:
+            rows, skipped = build_rows(
+                cfg, ctx.target_loader.tokenizer, ctx.target_loader, ctx.progress, engine
+            )
+        finally:
+            if engine is not None and started:
+                vllm_engine.close(engine)
     except ValueError as e:
         raise OpdError(str(e)) from None
     except vllm_engine.VllmError as e:
