@@ -26,7 +26,7 @@ from models.features import Features
 from models.losses import teacher_draft_probs
 from models.target import load_target
 from models.vocab import DraftVocab
-from pipeline.core.trainer import autocast
+from pipeline.core.trainer import native_bf16
 
 
 def main() -> None:
@@ -65,7 +65,9 @@ def main() -> None:
                 teacher = teacher_draft_probs(logits, vocab, 1.0)
             t.setdefault("teacher_s", []).append(time.perf_counter() - start)
             start = time.perf_counter()
-            with autocast(torch.device("cpu"), bf16):
+            # torch's autocast itself: the trainers' `autocast` falls back to fp32 where bf16
+            # would be emulated, and this measures what that fallback avoids
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 (out,) = module((Features(ids, aux, last), mask, None, args.ttt))
             loss = drafter.sft_loss(out, teacher, last, decay=0.8, objective=None)
             t.setdefault("forward_s", []).append(time.perf_counter() - start)
@@ -101,6 +103,7 @@ def main() -> None:
                 "batch_tokens": tokens,
                 "ttt_steps": args.ttt,
                 "threads": torch.get_num_threads(),
+                "native_bf16": native_bf16("cpu"),
                 "settings": rows,
             },
             indent=1,
