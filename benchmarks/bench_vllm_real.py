@@ -9,13 +9,18 @@ first turns rendered with the target's chat template. Prints one JSON object.
 
     .venv/bin/python -m benchmarks.bench_vllm_real --target DIR \\
         --sets ../shared/data/prompts/mt_bench.jsonl ../shared/data/prompts/gsm8k.jsonl humaneval \\
-        --export eagle3=EXPORT_DIR [--export dflash=DIR2] --prompts-per-set 24 --max-new-tokens 256
+        --export METHOD=EXPORT_DIR [--export METHOD2=DIR2] --prompts-per-set 24 --max-new-tokens 256
+
+METHOD is vLLM's speculative method for the export, the one `opd export` prints in its serve
+command.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import time
 from collections import Counter
 from pathlib import Path
@@ -104,10 +109,7 @@ def main() -> None:
         base = sum(tokens["plain"][g] for g in groups) / sum(seconds["plain"][g] for g in groups)
         out = {"tokens_per_s": t / s, "speedup_vs_plain": (t / s) / base}
         if name != "plain":
-            spent = [counters[name][g] for g in groups]
-            total = spent[0]
-            for more in spent[1:]:
-                total = total + more
+            total = functools.reduce(operator.add, (counters[name][g] for g in groups))
             out |= {
                 "tau": total.tau,
                 "identical_to_plain": sum(same[name][g] for g in groups)

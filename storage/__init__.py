@@ -10,6 +10,7 @@ from storage.store import (
     check_run_name,
     default_root,
     disk_error,
+    sha256_file,
 )
 from storage.tensors import read_tensor_column, tensor_array, tensor_field
 
@@ -27,6 +28,7 @@ __all__ = [
     "default_root",
     "disk_error",
     "read_tensor_column",
+    "sha256_file",
     "tensor_array",
     "tensor_field",
 ]

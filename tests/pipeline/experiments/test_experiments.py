@@ -364,7 +364,7 @@ LOSSY_ROLLOUT = "rollout must keep the target's law, and drafting.acceptance=typ
             "drafter.layers: Input should be greater than or equal to 1",
         ),
         # its rounds' rollout refused it only after the warm-up and the whole SFT arm
-        (["--drafter-kind", "medusa", "--set", TYPICAL], LOSSY_ROLLOUT),
+        (["--set", TYPICAL], LOSSY_ROLLOUT),
     ],
 )
 def test_bad_opd_vs_sft_options_are_one_line_errors_before_any_stage(tmp_path, options, message):
@@ -377,7 +377,7 @@ def test_bad_opd_vs_sft_options_are_one_line_errors_before_any_stage(tmp_path, o
         (["--budget-ratio", "inf"], "--budget-ratio must be a finite number in (0, 1000], got inf"),
         (["--budget-ratio", "nan"], "--budget-ratio must be a finite number in (0, 1000], got nan"),
         (["--budget-ratio", "0"], "--budget-ratio must be a finite number in (0, 1000], got 0"),
-        (["--set", "drafter.kind=medusa", "--set", TYPICAL], LOSSY_ROLLOUT),  # after the warm-up
+        (["--set", TYPICAL], LOSSY_ROLLOUT),  # it refused only after the warm-up
     ],
 )
 def test_bad_ablate_options_are_one_line_errors_before_any_stage(tmp_path, options, message):
