@@ -141,6 +141,8 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "bytes_written": written,
             "bytes_per_token": round(written / tokens, 1) if tokens else None,
         }
+        if args.out is not None:  # each stage as it ends: a run cut short keeps what it measured
+            args.out.write_text(json.dumps(out, indent=2))
         return result
 
     results = run_chain(full_chain(cfg), ctx, execute=execute)
@@ -178,6 +180,7 @@ def main() -> None:
     ap.add_argument("--cost-tokens", type=int, default=32)
     ap.add_argument("--verify-reps", type=int, default=5)
     ap.add_argument("--root", type=Path, default=None, help="data root (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here, per stage")
     args = ap.parse_args()
     if args.root is not None:
         out = measure(args, args.root)
@@ -185,6 +188,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = measure(args, Path(tmp))
     out["cpus"] = os.cpu_count()
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
 
 
