@@ -108,11 +108,12 @@ class DraftTree(StrictConfig):
 
 
 def _one_kind_settings(data: Any) -> Any:
-    """Name the kind a setting belongs to when it is given for another (an extra key would
-    only say it is not permitted)."""
+    """The default kind where none is named; name the kind a setting belongs to when it is
+    given for another (an extra key would only say it is not permitted)."""
     if not isinstance(data, dict):
         return data
-    spec = KINDS.get(data.get("kind", DEFAULT_KIND))
+    data = {"kind": DEFAULT_KIND, **data}  # a setting of the default kind needs no kind
+    spec = KINDS.get(data["kind"])
     if spec is None:
         return data  # the union names the kinds there are
     for key in sorted(set(data) - set(spec.settings.model_fields)):

@@ -83,6 +83,8 @@ def test_the_drafter_section_leaves_eagle3_versions_unchanged_and_is_strict():
         (["drafter.kind=dflash", "drafter.block_size=3"], "raise drafter.block_size"),
         (["drafter.kind=dflash", "drafter.blocks=3"], "blocks"),
         (["drafter.kind=nosuchkind"], "kind"),
+        # with no kind named, a setting is the default kind's (not "unable to extract tag")
+        (["drafter.nosuchsetting=1"], "drafter.nosuchsetting: Extra inputs are not permitted"),
     )
     for sets, message in bad:
         with pytest.raises(Exception, match=message):
