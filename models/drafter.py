@@ -43,7 +43,7 @@ from models.features import Features
 from models.vocab import DraftVocab
 
 if TYPE_CHECKING:
-    from models.kind import KindSpec
+    from models.kind import KindSpec, Reads
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,12 @@ class Drafter(nn.Module, ABC):
     def settings_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
         """The settings a saved drafter config (`config.to_dict()`) was built with, by setting
         name: what continuing that drafter must not contradict (its architecture is fixed)."""
-        return {}
+        return cls.spec.settings.recorded(config)
+
+    @property
+    def reads(self) -> Reads:
+        """What this drafter reads of the target's states: its kind's, at its settings."""
+        return self.spec.settings_of(self.settings_of(self.config.to_dict())).reads()
 
     @classmethod
     @abstractmethod
@@ -387,11 +392,23 @@ def check_tensor_set(
             )
 
 
+def weights_dtype(tensors: Mapping[str, Tensor], source: str) -> torch.dtype:
+    """The one floating dtype a checkpoint's weights were saved in (the vocab map's integer
+    and bool buffers aside); refuses a mix, which no drafter saves."""
+    found = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(found) != 1:
+        raise ValueError(
+            f"{source}: the weights hold {len(found)} floating dtypes "
+            f"({', '.join(sorted(str(d) for d in found))}), a drafter saves one; restore it"
+        )
+    return found.pop()
+
+
 class FrozenEmbeddingDrafter(Drafter):
     """What the kinds built on the target's own embedding share (EAGLE-3, DFlash): the module
     reads the target's frozen `embed_tokens` (never trained, never saved), carries the
-    draft-vocab map as `d2t` / `t2d` buffers, projects the target's features with `fc`, and is
-    built as `cls(config, embed_weight, vocab)`."""
+    draft-vocab map as `d2t` / `t2d` buffers, runs beside that embedding, and is built as
+    `cls(config, embed_weight, vocab)`."""
 
     embed_tokens: nn.Embedding
 
@@ -409,7 +426,7 @@ class FrozenEmbeddingDrafter(Drafter):
         drafter = cls(config, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
         check_tensor_set(drafter.tensors(), tensors, source)
         # on the embedding's device: the drafter runs beside the target whose embedding it shares
-        drafter.to(device=embed_weight.device, dtype=tensors["fc.weight"].dtype)
+        drafter.to(device=embed_weight.device, dtype=weights_dtype(tensors, source))
         # `.to()` may have cast the shared embedding; re-attach the target's own tensor.
         drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
         drafter.load_state_dict(tensors, strict=False)
@@ -424,7 +441,7 @@ class FrozenEmbeddingDrafter(Drafter):
 
     def untrained(self) -> Drafter:
         fresh = type(self)(self.config, self.embed_tokens.weight, self.vocab)
-        return fresh.to(self.fc.weight.device)  # where this one runs: beside its embedding
+        return fresh.to(self.embed_tokens.weight.device)  # where this one runs
 
     def frozen_embedding(self) -> Tensor:
         return self.embed_tokens.weight

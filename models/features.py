@@ -1,10 +1,11 @@
 """The features record: what a drafter may read of the target's pass over token rows.
 
 One record for the decoding loop's committed rows, the training stages' cached sequences and a
-replayed sequence, carrying everything the target's forward computes for a drafter (its aux
-layers, its last hidden state) and where each row sits. A kind reads the fields it needs, so a
-head that reads the last hidden state (Medusa, an MTP head) changes neither the loop nor the
-stages.
+replayed sequence, carrying what the target's forward computes for a drafter (its aux layers,
+its last hidden state) and where each row sits. A kind reads the fields it needs and declares
+them (`models.kind.Reads`): the stages store and compute only those (`pipeline.core.featurize`),
+so a field the kind does not read may be None (Medusa's sequences carry no aux layers), and a
+head that reads the last hidden state changes neither the loop nor the stages.
 
 Two row conventions, one per caller (each method of `models.drafter` says which it receives):
   - committed rows (`Proposer.propose`): row j holds the target's states at sequence position
@@ -25,7 +26,7 @@ from torch import Tensor
 @dataclass
 class Features:
     ids: Tensor  # [B, T] int64 (module docstring: after each position, or at it)
-    aux: Tensor  # [B, T, F] the target's aux layers at each position, concatenated
+    aux: Tensor | None = None  # [B, T, F] the target's aux layers, concatenated; None: not read
     last_hidden: Tensor | None = None  # [B, T, H] its final (post-norm) state; None: not read
     positions: Tensor | None = None  # [B, T] sequence positions; None: 0..T-1
     valid: Tensor | None = None  # [B, T] bool, rows that hold a token; None: every row
@@ -40,15 +41,17 @@ class Features:
 
 def replay_inputs(
     features: Features, anchors: Tensor, k: int, device: torch.device, most: int | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One sequence's ids [T], aux [T, F] and replay anchors [C] on `device`, refusing what no
-    replay can draft from: anchor e drafts after token e-1 from the prefix y<e, so 2 <= e <= T,
-    and 1 <= k (<= `most`, the drafts one step proposes)."""
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """One sequence's ids [T], aux [T, F] (None where the kind reads none) and replay anchors
+    [C] on `device`, refusing what no replay can draft from: anchor e drafts after token e-1
+    from the prefix y<e, so 2 <= e <= T, and 1 <= k (<= `most`, the drafts one step
+    proposes)."""
     ids = torch.as_tensor(features.ids, dtype=torch.long, device=device).reshape(-1)  # [T]
     anchors = torch.as_tensor(anchors, dtype=torch.long, device=device).reshape(-1)  # [C]
     T, C = ids.numel(), anchors.numel()
-    if features.aux.shape[0] != T:
-        raise ValueError(f"aux_hidden has {features.aux.shape[0]} rows for {T} tokens")
+    for name, states in (("aux_hidden", features.aux), ("last_hidden", features.last_hidden)):
+        if states is not None and states.shape[0] != T:
+            raise ValueError(f"{name} has {states.shape[0]} rows for {T} tokens")
     if C == 0 or k < 1 or (most is not None and k > most):
         bound = "1 <= k" if most is None else f"1 <= k <= {most} (the drafts one step proposes)"
         raise ValueError(f"need at least one anchor and {bound}, got {C} anchors and k={k}")

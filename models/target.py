@@ -1,8 +1,9 @@
 """The frozen target model: the only module that touches transformers model classes.
 
 `Target` wraps a Hugging Face causal LM (Llama, Qwen2, Qwen3, Mistral) and exposes what the
-pipeline needs from it, and nothing else: one forward that returns fp32 logits, the three EAGLE-3
-auxiliary hidden states and the last (post-norm) hidden state; the frozen LM head; KV-cache
+pipeline needs from it, and nothing else: one forward that returns fp32 logits, the hidden states
+at its aux layers (as many as the drafter kind reads: `models.kind.Reads`; EAGLE-3's three by
+default) and the last (post-norm) hidden state; the frozen LM head; KV-cache
 handling; and `score_tree`, which scores many short branches hanging off one context in a single
 forward with a tree attention mask.
 
@@ -34,21 +35,37 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3 / vLLM default feature layers, HF `hidden_states[k]` convention (state entering layer k)."""
-    return (2, num_layers // 2, num_layers - 3)
+def default_aux_layer_ids(num_layers: int, count: int = 3) -> tuple[int, ...]:
+    """Default feature layers, HF `hidden_states[k]` convention (state entering layer k): for
+    three, EAGLE-3's and vLLM's (2, N//2, N-3); for another count, spread evenly from the output
+    of layer 1 to that of layer N-3, where the public DFlash recipe places its context layers."""
+    if count == 3:
+        return (2, num_layers // 2, num_layers - 3)
+    if count == 1:
+        return (num_layers // 2 + 1,)
+    span = num_layers - 4  # from layer 1's output to layer N-3's, both 0-based
+    return tuple(2 + round(j * span / (count - 1)) for j in range(count))
 
 
-def check_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> None:
-    """Raise unless there are 3 strictly increasing ids in [1, num_layers).
+def check_aux_layer_ids(
+    aux_layer_ids: Sequence[int] | None, num_layers: int, count: int = 3
+) -> None:
+    """Raise unless there are `count` (as many as the drafter kind reads) strictly increasing
+    ids in [1, num_layers).
 
     vLLM collects aux states in ascending layer order, once per layer, and id 0 (the embedding
     output) has no residual to add there: out-of-order or repeated ids load but accept nothing.
     """
-    if aux_layer_ids is None or len(aux_layer_ids) != 3:
+    if count > num_layers - 1:
         raise ValueError(
-            f"EAGLE-3 needs exactly 3 aux layer ids, got {aux_layer_ids!r}; the default for a "
-            f"{num_layers}-layer target is {list(default_aux_layer_ids(num_layers))}"
+            f"the drafter reads {count} target layers, but a {num_layers}-layer target has "
+            f"{num_layers - 1} to read (ids in [1, {num_layers})): read fewer or use a deeper target"
+        )
+    if aux_layer_ids is None or len(aux_layer_ids) != count:
+        raise ValueError(
+            f"the drafter reads {count} target layers, so it needs exactly {count} aux layer ids, got "
+            f"{aux_layer_ids!r}; the default for a {num_layers}-layer target is "
+            f"{list(default_aux_layer_ids(num_layers, count))}"
         )
     check_aux_layer_order(aux_layer_ids)
     if int(aux_layer_ids[-1]) >= num_layers:
@@ -87,7 +104,7 @@ class TargetOutput:
     """One target forward. All tensors share the input's leading [B, T]."""
 
     logits: Tensor  # [B, T, V] fp32
-    aux_hidden: Tensor  # [B, T, 3*H]: hidden_states[k] for k in aux_layer_ids, concatenated
+    aux_hidden: Tensor  # [B, T, n*H]: hidden_states[k] for k in aux_layer_ids, concatenated
     last_hidden: Tensor  # [B, T, H]: after the final norm
 
 
@@ -103,7 +120,7 @@ class TreeScores:
     vocab they would dwarf everything else): `logits_from_hidden(context_last_hidden)` gives them.
     """
 
-    context_aux_hidden: Tensor  # [T0, 3*H]
+    context_aux_hidden: Tensor  # [T0, n*H]
     context_last_hidden: Tensor  # [T0, H]
     hidden: list[Tensor]  # per branch [L+1, H] post-norm last hidden
     log_probs: list[Tensor]  # per branch [L+1, V] fp32 log_softmax(logits / temperature)
@@ -118,6 +135,7 @@ class Target:
         model: nn.Module,
         *,
         aux_layer_ids: Sequence[int] | None = None,
+        aux_layers: int = 3,
         identity: dict[str, Any],
     ) -> None:
         config = model.config
@@ -139,8 +157,8 @@ class Target:
         self.num_layers: int = config.num_hidden_layers
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
-        self.aux_layer_ids: tuple[int, int, int] = _check_aux_layer_ids(
-            aux_layer_ids, self.num_layers
+        self.aux_layer_ids: tuple[int, ...] = _check_aux_layer_ids(
+            aux_layer_ids, self.num_layers, aux_layers
         )
         self._decoder = model.get_decoder()
         self._layers = self._decoder.layers
@@ -160,9 +178,16 @@ class Target:
         }
 
     @classmethod
-    def from_model(cls, hf_model: nn.Module, aux_layer_ids: Sequence[int] | None = None) -> Target:
+    def from_model(
+        cls, hf_model: nn.Module, aux_layer_ids: Sequence[int] | None = None, aux_layers: int = 3
+    ) -> Target:
         """Wrap an in-process HF model (tests, notebooks); identity hashes its parameters."""
-        return cls(hf_model, aux_layer_ids=aux_layer_ids, identity=_state_identity(hf_model))
+        return cls(
+            hf_model,
+            aux_layer_ids=aux_layer_ids,
+            aux_layers=aux_layers,
+            identity=_state_identity(hf_model),
+        )
 
     @property
     def device(self) -> torch.device:
@@ -215,7 +240,7 @@ class Target:
         attention_mask: Tensor | None = None,
         cache: DynamicCache | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """`forward` without the LM head: (aux_hidden [B, T, 3H], last_hidden [B, T, H]).
+        """`forward` without the LM head: (aux_hidden [B, T, n*H], last_hidden [B, T, H]).
 
         For feature extraction, where [B, T, V] logits would cost memory and time for nothing.
         """
@@ -257,7 +282,7 @@ class Target:
         finally:
             for hook in hooks:
                 hook.remove()
-        aux = torch.cat([captured[k] for k in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
+        aux = torch.cat([captured[k] for k in self.aux_layer_ids], dim=-1)  # [B, T, n*H]
         return aux, out.last_hidden_state  # [B, T, H] after the final norm
 
     @torch.no_grad()
@@ -417,13 +442,15 @@ def load_target(
     device: str | torch.device = "cpu",
     device_map: str | None = None,
     aux_layer_ids: Sequence[int] | None = None,
+    aux_layers: int = 3,
 ) -> Target:
     """Load a local HF causal-LM directory (safetensors weights) as a frozen `Target`.
 
     Checks, before loading any weights: the directory holds an HF config and safetensors weights
     (`model.safetensors`, or the shards its index lists; never a pickle), every weights file has
     a readable header, the tensors' shapes fit config.json, its tokenizer (if any) fits the
-    model's vocab, and the aux layer ids are valid. The identity hashes exactly the files loaded.
+    model's vocab, and the aux layer ids are valid (`aux_layers` of them: as many as the
+    drafter kind reads). The identity hashes exactly the files loaded.
     """
     path = Path(path)
     if not path.is_dir():
@@ -444,7 +471,7 @@ def load_target(
             f"{path}: model_type {getattr(config, 'model_type', None)!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    _check_aux_layer_ids(aux_layer_ids, config.num_hidden_layers)
+    _check_aux_layer_ids(aux_layer_ids, config.num_hidden_layers, aux_layers)
     _check_shapes(path, config, shapes)
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -463,7 +490,7 @@ def load_target(
     except (OSError, RuntimeError, SafetensorError) as err:
         raise ValueError(f"{path}: the weights do not load ({_one_line(err)})") from None
     identity = {"path": str(path.resolve()), "weights_sha256": _files_sha256(weight_files)}
-    return Target(model, aux_layer_ids=aux_layer_ids, identity=identity)
+    return Target(model, aux_layer_ids=aux_layer_ids, aux_layers=aux_layers, identity=identity)
 
 
 def _one_line(err: BaseException) -> str:
@@ -538,11 +565,11 @@ def _check_shapes(path: Path, config: Any, shapes: dict[str, tuple[Path, tuple[i
             )
 
 
-def _check_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> tuple[int, int, int]:
+def _check_aux_layer_ids(ids: Sequence[int] | None, num_layers: int, count: int) -> tuple[int, ...]:
     if ids is None:
-        ids = default_aux_layer_ids(num_layers)
+        ids = default_aux_layer_ids(num_layers, count)
         try:
-            check_aux_layer_ids(ids, num_layers)
+            check_aux_layer_ids(ids, num_layers, count)
         except ValueError as err:
             raise ValueError(
                 f"the default aux layer ids {list(ids)} do not fit a {num_layers}-layer target "
@@ -550,10 +577,13 @@ def _check_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> tuple[in
             ) from None
         return ids
     ids = tuple(ids)
-    if len(ids) != 3 or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
-        raise ValueError(f"aux_layer_ids must be 3 integers (low, mid, high), got {ids!r}")
-    check_aux_layer_ids(ids, num_layers)
-    return ids  # type: ignore[return-value]
+    if len(ids) != count or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
+        raise ValueError(
+            f"aux_layer_ids must be {count} integers (strictly increasing: as many as the "
+            f"drafter kind reads), got {ids!r}"
+        )
+    check_aux_layer_ids(ids, num_layers, count)
+    return ids
 
 
 def _capture_input(store: dict[int, Tensor], layer: int):

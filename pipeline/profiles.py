@@ -25,6 +25,7 @@ from pipeline.core.config import (
     default_drafter,
     optional_field,
 )
+from pipeline.core.featurize import hidden_columns
 from pipeline.core.targets import TargetConfig
 from pipeline.stages import STAGES
 from storage import OpdError
@@ -114,11 +115,37 @@ class _PipelineBase(StrictConfig):
         return data
 
     @model_validator(mode="after")
+    def _read_what_the_kind_reads(self) -> _PipelineBase:
+        # The target captures as many aux layers as the kind reads (a kind that reads none
+        # leaves them as they are: the target's identity, and so every version, stays).
+        count = self.drafter.reads().target_layers
+        if count and count != self.target.aux_count:
+            if self.target.aux_layers is not None:
+                raise ValueError(
+                    f"target.aux_layers={self.target.aux_layers}, but a "
+                    f"{self.drafter.spec.title} drafter reads {count} target layers: drop "
+                    "target.aux_layers (it follows the drafter.* settings)"
+                )
+            tied = TargetConfig.model_validate(self.target.model_dump() | {"aux_layers": count})
+            object.__setattr__(self, "target", tied)
+        return self
+
+    @model_validator(mode="after")
     def _tie_drafting(self) -> _PipelineBase:
+        stored = list(hidden_columns(self.drafter.reads()))
         for stage in STAGES:
             update = {name: getattr(self.drafting, src) for name, src in stage.drafting.items()}
             if "drafter" in stage.config.model_fields:
                 update["drafter"] = self.drafter.model_dump()
+            if "hidden_states" in stage.config.model_fields:
+                given = getattr(self, stage.name).hidden_states
+                tied = stage.config.model_validate({"hidden_states": stored}).hidden_states
+                if given is not None and given != tied:
+                    raise ValueError(
+                        f"{stage.name}.hidden_states={given}, but a {self.drafter.spec.title} "
+                        f"drafter reads {stored}: drop it (it follows drafter.kind)"
+                    )
+                update["hidden_states"] = stored
             if update:
                 section = getattr(self, stage.name)
                 # validate_assignment would re-run per field; one validated copy is atomic.

@@ -20,14 +20,7 @@ from torch import Tensor
 
 from models.blocks import BlockTraining
 from models.dflash.export import export_dflash, read_dflash_export
-from models.dflash.model import (
-    DEFAULT_ANCHORS,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_HEAD,
-    DEFAULT_LAYERS,
-    DFlashConfig,
-    DFlashModel,
-)
+from models.dflash.model import DFlashConfig, DFlashModel
 from models.dflash.propose import DFlashProposer
 from models.dflash.train import block_unroll, replay_blocks
 from models.drafter import (
@@ -39,16 +32,6 @@ from models.drafter import (
     TrainableDrafter,
 )
 from models.vocab import DraftVocab
-
-SETTINGS = {
-    "block_size": DEFAULT_BLOCK_SIZE,
-    "layers": DEFAULT_LAYERS,
-    "anchors": DEFAULT_ANCHORS,
-    "mask_token_id": None,  # None: `models.dflash.model.default_mask_token`
-    "head": DEFAULT_HEAD,
-}
-CONFIG_FIELDS = {name: "num_layers" if name == "layers" else name for name in SETTINGS}
-"""Each setting's field in DFlashConfig."""
 
 
 class DFlashDrafter(
@@ -62,7 +45,7 @@ class DFlashDrafter(
 
     @classmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> DFlashDrafter:
-        if cls._given(settings)["head"] == "target":
+        if cls.spec.settings.given(settings)["head"] == "target":
             vocab = DraftVocab.full(target.vocab_size)  # the target's head reads every id
         config = cls._config(target, vocab.draft_vocab_size, settings)
         drafter = cls(config, target.embed_weight, vocab)
@@ -77,28 +60,22 @@ class DFlashDrafter(
         cls._config(target, target.vocab_size, settings)
 
     @classmethod
-    def settings_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
-        # A config saved before a setting existed holds its default (`head`).
-        return {name: config.get(field, SETTINGS[name]) for name, field in CONFIG_FIELDS.items()}
-
-    @staticmethod
-    def _given(settings: Mapping[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(settings) - set(SETTINGS))
-        if unknown:
-            raise ValueError(
-                f"unknown DFlash drafter settings {unknown}; DFlash takes {sorted(SETTINGS)}"
-            )
-        return SETTINGS | dict(settings)
-
-    @classmethod
     def _config(
         cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
     ) -> DFlashConfig:
-        given = cls._given(settings)
+        given = cls.spec.settings.given(settings)
+        ids = tuple(target.aux_layer_ids)
+        if len(ids) != given["target_layers"]:
+            raise ValueError(
+                f"a DFlash drafter reading {given['target_layers']} target layers needs the "
+                f"target's states at as many layers, and it captures {len(ids)} ({list(ids)}): "
+                f"load the target with {given['target_layers']} aux layer ids "
+                f"(target.aux_layers={given['target_layers']}) or set target_layers={len(ids)}"
+            )
         return DFlashConfig.from_target(
             target.config,
             draft_vocab_size,
-            target.aux_layer_ids,
+            ids,
             num_layers=given["layers"],
             block_size=given["block_size"],
             mask_token_id=given["mask_token_id"],
@@ -112,8 +89,7 @@ class DFlashDrafter(
             self.lm_head.weight.copy_(lm_head_weight)
 
     def untrained(self) -> DFlashDrafter:
-        fresh = type(self)(self.config, self.embed_tokens.weight, self.vocab)
-        fresh = fresh.to(self.fc.weight.device)  # where this one runs: beside its embedding
+        fresh = super().untrained()
         if self.config.head == "target":  # fresh weights around the same frozen head
             fresh.take_target_head(self.lm_head.weight)
         return fresh

@@ -52,6 +52,9 @@ tau_chain 2.55 / 2.97 / 3.29 / 3.49 / 3.62 at steps 200..600 with the draft head
 3.30 / 3.44 / 3.60 with the target's frozen head, so no gain in acceptance, while the target's
 [V, H] head added 0.67 ms (12%) to a decoding drafter forward on this CPU
 (docs/drafters.md, DFlash)."""
+DEFAULT_TARGET_LAYERS = 3
+"""The target layers the context reads: EAGLE-3's three aux layers (the run's one target serves
+either kind); the public DFlash recipes read 5 (`drafter.target_layers`)."""
 DEFAULT_ANCHORS = 256
 """Anchors per training sequence: the default profile's sequences (prompt + 96 new tokens) are
 shorter, so every trainable position becomes an anchor; longer ones are subsampled."""
@@ -126,7 +129,9 @@ class DFlashConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        check_aux_layer_ids(self.target_layer_ids, self.target_num_layers)
+        check_aux_layer_ids(
+            self.target_layer_ids, self.target_num_layers, len(self.target_layer_ids)
+        )
         if self.rope_parameters.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope_type {self.rope_parameters.get('rope_type')!r} is not supported "

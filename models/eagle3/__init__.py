@@ -5,7 +5,7 @@ test (`SPEC` describes it to the registry, models/drafters.py)."""
 from typing import Literal
 
 from models.eagle3.drafter import Eagle3Drafter
-from models.kind import KindSettings, KindSpec
+from models.kind import KindSettings, KindSpec, Reads
 
 
 class Eagle3Settings(KindSettings):
@@ -19,6 +19,7 @@ SPEC = KindSpec(
     title="EAGLE-3",
     settings=Eagle3Settings,
     drafter=Eagle3Drafter,
+    reads=Reads(target_layers=3, last_hidden=True),  # low / mid / high, fused by `fc`
     export_formats=("eagle3", "speculators"),
     serve_method="eagle3",
     objectives={"eagle3": "EAGLE-3 (training-time test)", "eagle1": "EAGLE-1 (L_reg + 0.1 CE)"},

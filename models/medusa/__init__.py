@@ -6,9 +6,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from models.kind import KindSettings, KindSpec, optional_setting
+from models.kind import KindSettings, KindSpec, Reads, optional_setting
 from models.medusa.drafter import MedusaDrafter
-from models.medusa.model import DEFAULT_HEADS
+from models.medusa.model import DEFAULT_HEADS, DEFAULT_LAYERS
 
 MAX_HEADS = 64
 """A static bound: 16x Medusa's default; every head is an [H, H] block and a [Vd, H] head, so at
@@ -21,10 +21,12 @@ class MedusaSettings(KindSettings):
     kind: Literal["medusa"] = "medusa"
     depth_setting = "heads"
     heads: Annotated[int, Field(ge=1, le=MAX_HEADS)] | None = optional_setting(
-        "medusa: heads, the most tokens one step drafts (default 4)"
+        "medusa: heads, the most tokens one step drafts (default 4)",
+        DEFAULT_HEADS,
+        recorded_as="num_heads",
     )
     layers: Annotated[int, Field(ge=1, le=8)] | None = optional_setting(
-        "medusa: residual blocks per head (default 1)"
+        "medusa: residual blocks per head (default 1)", DEFAULT_LAYERS, recorded_as="num_layers"
     )
 
     def max_draft_depth(self) -> int | None:
@@ -36,6 +38,7 @@ SPEC = KindSpec(
     title="Medusa",
     settings=MedusaSettings,
     drafter=MedusaDrafter,
+    reads=Reads(last_hidden=True),  # the heads read h_t only: no aux layer is ever stored
     drafts_blocks=True,
     export_formats=("medusa",),
     serve_method="medusa",

@@ -25,14 +25,10 @@ from models.drafter import (
 )
 from models.export_format import ExportError
 from models.medusa.export import export_medusa, read_medusa_export
-from models.medusa.model import DEFAULT_HEADS, DEFAULT_LAYERS, MedusaConfig, MedusaHeads
+from models.medusa.model import MedusaConfig, MedusaHeads
 from models.medusa.propose import MedusaProposer
 from models.medusa.train import heads_unroll, replay_heads
 from models.vocab import DraftVocab
-
-SETTINGS = {"heads": DEFAULT_HEADS, "layers": DEFAULT_LAYERS}
-CONFIG_FIELDS = {"heads": "num_heads", "layers": "num_layers"}
-"""Each setting's field in MedusaConfig."""
 
 
 class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafter):
@@ -53,17 +49,10 @@ class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafte
         cls._config(target, target.vocab_size, settings)
 
     @classmethod
-    def settings_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
-        return {name: config.get(field, SETTINGS[name]) for name, field in CONFIG_FIELDS.items()}
-
-    @staticmethod
-    def _config(target: Any, draft_vocab_size: int, settings: Mapping[str, Any]) -> MedusaConfig:
-        unknown = sorted(set(settings) - set(SETTINGS))
-        if unknown:
-            raise ValueError(
-                f"unknown Medusa drafter settings {unknown}; Medusa takes {sorted(SETTINGS)}"
-            )
-        given = SETTINGS | dict(settings)
+    def _config(
+        cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
+    ) -> MedusaConfig:
+        given = cls.spec.settings.given(settings)
         return MedusaConfig(
             hidden_size=target.hidden_size,
             vocab_size=target.vocab_size,

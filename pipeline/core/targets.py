@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from models import smollm2, vllm_engine
 from models.shapes import SHAPES, ModelShape, build_model, scaled, synthetic_tokenizer
@@ -25,6 +25,7 @@ from pipeline.core.config import StrictConfig
 from storage import Dataset, OpdError, default_root
 
 EMBEDDED_TARGET = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
+DEFAULT_AUX_LAYERS = 3
 
 
 class RandomTargetConfig(StrictConfig):
@@ -76,28 +77,40 @@ class TargetConfig(StrictConfig):
     """`auto`: spread a target too large for one GPU over every visible GPU with accelerate
     (local model directories only); the drafter then runs where the LM head is."""
     aux_layer_ids: list[int] | None = None
-    """HF hidden_states[k] ids (the state entering layer k); None = EAGLE-3's (2, N//2, N-3)."""
+    """HF hidden_states[k] ids (the state entering layer k), strictly increasing, `aux_layers`
+    of them; None = the default for that count (`models.target.default_aux_layer_ids`: for 3,
+    EAGLE-3's (2, N//2, N-3))."""
+    aux_layers: int | None = Field(None, ge=1)
+    """How many aux layers the target captures: as many as the run's drafter kind reads (set
+    from `drafter`, `models.kind.Reads`); None = 3, EAGLE-3's. Left out of the recorded target
+    while None, so existing records are unchanged."""
     random: RandomTargetConfig = RandomTargetConfig()
     shape: ShapeTargetConfig = ShapeTargetConfig()
 
-    @field_validator("aux_layer_ids")
-    @classmethod
-    def _aux_ids_in_order(cls, ids: list[int] | None) -> list[int] | None:
-        if ids is not None:
-            if len(ids) != 3:
-                raise ValueError(f"aux_layer_ids must be 3 ids (low, mid, high), got {ids}")
-            check_aux_layer_order(ids)
-        return ids
+    @property
+    def aux_count(self) -> int:
+        """The aux layers the target captures."""
+        return self.aux_layers or DEFAULT_AUX_LAYERS
 
     @model_validator(mode="after")
-    def _aux_ids_fit_random_target(self) -> TargetConfig:
-        # only the random target's depth is known before loading
+    def _aux_ids_fit(self) -> TargetConfig:
+        if self.aux_layer_ids is not None:
+            if len(self.aux_layer_ids) != self.aux_count:
+                raise ValueError(
+                    f"target.aux_layer_ids {self.aux_layer_ids} must be {self.aux_count} ids, as "
+                    f"many as the drafter kind reads (target.aux_layers): give {self.aux_count} "
+                    "strictly increasing ids, or drop target.aux_layer_ids for their default"
+                )
+            check_aux_layer_order(self.aux_layer_ids)
+        # only an in-process target's depth is known before loading
         if self.path == "random":
-            ids = self.aux_layer_ids or default_aux_layer_ids(self.random.num_layers)
-            check_aux_layer_ids(ids, self.random.num_layers)
+            depth = self.random.num_layers
+            ids = self.aux_layer_ids or default_aux_layer_ids(depth, self.aux_count)
+            check_aux_layer_ids(ids, depth, self.aux_count)
         elif self.path.startswith(SHAPE_PREFIX):
             depth = target_shape(self).num_layers
-            check_aux_layer_ids(self.aux_layer_ids or default_aux_layer_ids(depth), depth)
+            ids = self.aux_layer_ids or default_aux_layer_ids(depth, self.aux_count)
+            check_aux_layer_ids(ids, depth, self.aux_count)
         elif self.shape != ShapeTargetConfig():
             raise ValueError(
                 f"target.shape sets a shape target's depth, width and seed, but target.path is "
@@ -304,7 +317,7 @@ class TargetLoader:
             # plain decode of 6 batched prompts took 17.5 ms per token, 1.5 ms with cuDNN off.
             # SDPA's other backends (target and drafters alike) need no plan.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        ids = self.cfg.aux_layer_ids
+        ids, count = self.cfg.aux_layer_ids, self.cfg.aux_count
         if self.cfg.device_map is not None:
             if in_process(self.cfg):
                 raise OpdError(
@@ -315,15 +328,20 @@ class TargetLoader:
         try:
             if self.cfg.path == "random":
                 model = _build_random(self.cfg.random, len(self.tokenizer), self.tokenizer)
-                return Target.from_model(model.to(device=device, dtype=dtype), aux_layer_ids=ids)
+                return Target.from_model(model.to(device=device, dtype=dtype), ids, count)
             if self.cfg.path.startswith(SHAPE_PREFIX):
                 shape = target_shape(self.cfg)
                 check_shape_fits(self.cfg.path, shape, dtype, device, available_memory())
                 model = build_model(shape, self.tokenizer, self.cfg.shape.seed)
-                return Target.from_model(model.to(device=device, dtype=dtype), aux_layer_ids=ids)
+                return Target.from_model(model.to(device=device, dtype=dtype), ids, count)
             path = model_directory(self.cfg.path)
             return load_target(
-                path, dtype=dtype, device=device, device_map=self.cfg.device_map, aux_layer_ids=ids
+                path,
+                dtype=dtype,
+                device=device,
+                device_map=self.cfg.device_map,
+                aux_layer_ids=ids,
+                aux_layers=count,
             )
         except (ValueError, FileNotFoundError) as e:
             raise OpdError(f"cannot load target {self.cfg.path!r}: {e}") from None
@@ -365,6 +383,8 @@ def target_spec(cfg: TargetConfig) -> dict[str, Any]:
         spec.pop("random")
     if not cfg.path.startswith(SHAPE_PREFIX):
         spec.pop("shape")
+    if cfg.aux_layers is None:
+        spec.pop("aux_layers")
     return spec
 
 

@@ -203,9 +203,10 @@ class FeatureIndex:
     trajectories); equal keys across them land on the same side of a hold-out split.
 
     An online features dataset (`features.mode=online`) holds the token columns only: its rows'
-    hidden states are computed by `target` in `featurize`, which the loader calls on the
-    training thread for each batch it hands out (one target forward per batch). Indexing needs
-    no target (lengths and keys are the token columns'); featurizing does.
+    hidden states are computed by `source` (`featurize.FeatureSource`, which also refuses, up
+    front, cached rows that lack a state it reads) in `featurize`, which the loader calls on
+    the training thread for each batch it hands out (one target forward per batch). Indexing
+    needs no target (lengths and keys are the token columns'); featurizing does.
     """
 
     def __init__(
@@ -214,19 +215,20 @@ class FeatureIndex:
         columns: Sequence[str],
         key_column: str = "seq_id",
         *,
-        target: Any = None,
+        source: featurize.FeatureSource | None = None,
     ):
         datasets = [datasets] if isinstance(datasets, Dataset) else list(datasets)
         self.columns = tuple(columns)
-        self.target = target
+        self.source = source
         self._chunks: list[dict[str, _Column]] = []
         keys: list[str] = []
         chunk_of, local, lengths, online = [], [], [], []
-        self.target_forwards, self.target_seconds = 0, 0.0  # of `featurize`, this process
         for dataset in datasets:
             shards = dataset.shards("ipc")
             if not shards:
                 raise OpdError(f"{dataset.ref} has no Arrow IPC shards to train on")
+            if source is not None:
+                source.check(dataset)
             computed = featurize.HIDDEN_COLUMNS if featurize.is_online(dataset) else ()
             for shard in shards:
                 for batch in dataset.ipc_batches(shard):
@@ -293,17 +295,15 @@ class FeatureIndex:
         mine = np.flatnonzero(self.online[batch.rows.numpy()])
         if len(mine) == 0:
             return batch
-        if self.target is None:
+        if self.source is None:
             raise OpdError(
                 "an online features dataset needs the target to compute its hidden states; "
-                "build the FeatureIndex with target="
+                "build the FeatureIndex with source= (a featurize.FeatureSource)"
             )
-        t0 = time.perf_counter()
         ids = batch["input_ids"]
         seqs = [ids[i, : int(batch.lengths[i])].tolist() for i in mine]
         width = ids.shape[1]
-        states = featurize.featurize_rows(self.target, seqs, width)
-        for name, values in states.items():
+        for name, values in self.source.padded(seqs, width).items():
             if name not in self.columns:
                 continue
             if name not in batch.columns and len(mine) == len(batch.rows):
@@ -313,8 +313,6 @@ class FeatureIndex:
                 name, torch.zeros(len(batch.rows), width, values.shape[-1], dtype=values.dtype)
             )
             column[torch.from_numpy(mine)] = values
-        self.target_forwards += 1
-        self.target_seconds += time.perf_counter() - t0
         return batch
 
 

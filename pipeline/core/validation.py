@@ -16,6 +16,7 @@ from models.drafter import Drafter
 from models.features import Features
 from models.losses import teacher_draft_probs
 from pipeline.core import training
+from pipeline.core.featurize import FeatureSource
 from pipeline.core.trainer import TrainConfig, autocast
 from storage import Dataset
 
@@ -30,7 +31,7 @@ def to_device(batch: training.PaddedBatch, device: torch.device) -> dict[str, Te
 
 def features_of(cols: Mapping[str, Tensor]) -> Features:
     """A batch of feature columns as the drafter's features record (sequence convention)."""
-    return Features(cols["input_ids"], cols["aux_hidden"], cols.get("last_hidden"))
+    return Features(cols["input_ids"], cols.get("aux_hidden"), cols.get("last_hidden"))
 
 
 @torch.no_grad()
@@ -80,12 +81,12 @@ def heldout_loader(
     rank: int,
     world_size: int,
     *,
+    source: FeatureSource,
     pin_memory: bool = False,
-    target: Any = None,
 ) -> training.FeatureLoader:
     """Every sequence of a `heldout` input, in order, batched like the stage's validation
-    (`target` computes the hidden states of an online features dataset)."""
-    index = training.FeatureIndex([ds], FEATURE_COLUMNS, target=target)
+    (`source`: the states the drafter reads, computed for an online features dataset)."""
+    index = training.FeatureIndex([ds], source.columns, source=source)
     return training.FeatureLoader(
         index,
         range(len(index)),

@@ -1,19 +1,23 @@
 """Stage 2, `features`: cache what the drafter trains on, one target forward per batch.
 
 Consumes `trajectories` and the target. Produces `features`: Arrow IPC shards (uncompressed,
-memory-mapped and zero-copy at read time), one row per sequence: seq_id, input_ids, loss_mask,
-aux_hidden [T, 3H] (hidden_states at the low/mid/high layer ids) and last_hidden [T, H] (the
-target's final post-norm state, from which training recomputes the teacher's distribution
-through the frozen head), both bf16. Also `draft_vocab.safetensors`: the draft vocabulary map
+memory-mapped and zero-copy at read time), one row per sequence: seq_id, input_ids, loss_mask
+and the target's states the run's drafter kind reads (`hidden_states`, set from `drafter`:
+`models.kind.Reads`), both bf16: aux_hidden [T, n*H] (hidden_states at the n aux layer ids;
+EAGLE-3's low/mid/high, n = 3) and last_hidden [T, H] (the target's final post-norm state,
+from which training recomputes the teacher's distribution through the frozen head); a Medusa
+run stores last_hidden alone (2·H bytes a token instead of 8·H), and the meta's
+`hidden_states` names what a dataset stores when it is not both. The rows are written by
+`featurize.FeatureSource`, the one source every stage reads features through. Also `draft_vocab.safetensors`: the draft vocabulary map
 (d2t, t2d, token counts) built once here from loss-masked token frequencies of the whole
 trajectories dataset and never rebuilt downstream. The manifest's meta records the target's
 identity, layer ids and dtype; consumers refuse features made by another target.
 
 `mode=online` (unset = cached, the default: the versioned cache is the design) writes the same
-shards without the two hidden-state columns, and the same vocab file: 5 bytes a token instead
+shards without the hidden-state columns, and the same vocab file: 5 bytes a token instead
 of 5 + 8H (32 KiB at H = 4096). Its meta says `mode: online`, and the training stages (sft, and
 opd's features anchor) then run the target over each batch inside their loop
-(`training.FeatureIndex.featurize`), trading disk for one target forward per training batch
+(`featurize.FeatureSource.padded`), trading disk for one target forward per training batch
 (and per validation batch). A drafter trained on it rolls out online too (rollout writes
 tokens only; score and opd compute the states). The map stays frozen here, and lineage, checks
 and chains read an online features dataset as any other.
@@ -27,7 +31,6 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-import pyarrow as pa
 import torch
 from pydantic import Field, field_validator
 from safetensors.torch import save as save_safetensors
@@ -36,16 +39,10 @@ from tqdm import tqdm
 from models.vocab import DraftVocab
 from pipeline.core.checks import VOCAB_FILE, check_same_target
 from pipeline.core.config import StrictConfig, optional_field
-from pipeline.core.featurize import (
-    ONLINE,
-    feature_schema,
-    length_batches,
-    sequence_features,
-    token_schema,
-)
+from pipeline.core.featurize import HIDDEN_COLUMNS, ONLINE, FeatureSource, HiddenColumn
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import Inputs, Stage
-from storage import Dataset, DatasetWriter, OpdError, tensor_array
+from storage import Dataset, DatasetWriter, OpdError
 
 
 class Config(StrictConfig):
@@ -63,11 +60,24 @@ class Config(StrictConfig):
         "than 'cached' by default so existing features versions stay unchanged"
     )
 
+    hidden_states: list[HiddenColumn] | None = optional_field(
+        "the target's states stored: what the run's drafter kind reads (set from `drafter`, "
+        "models.kind.Reads: [last_hidden] for Medusa). Unset: aux_hidden and last_hidden, what "
+        "EAGLE-3 and DFlash read, so their features versions stay unchanged"
+    )
+
     @field_validator("mode")
     @classmethod
     def _cached_is_unset(cls, value: str | None) -> str | None:
         # Naming the default explicitly must give the default's version.
         return None if value == "cached" else value
+
+    @field_validator("hidden_states")
+    @classmethod
+    def _both_is_unset(cls, value: list[str] | None) -> list[str] | None:
+        if value is None or set(value) == set(HIDDEN_COLUMNS):
+            return None
+        return [name for name in HIDDEN_COLUMNS if name in value]  # one order, one version
 
 
 def token_counts(trajectories: Dataset, vocab_size: int) -> torch.Tensor:
@@ -111,43 +121,19 @@ def run(
         )
     coverage = float(counts[vocab.t2d].sum()) / max(1, int(counts.sum()))
 
-    online = cfg.mode == ONLINE
-    schema = token_schema() if online else feature_schema(target.hidden_size)
+    stored = HIDDEN_COLUMNS if cfg.hidden_states is None else cfg.hidden_states
+    source = FeatureSource(target, stored, online=cfg.mode == ONLINE)
     n_shards = (len(rows) + cfg.rows_per_shard - 1) // cfg.rows_per_shard
     mine = [i for i in range(n_shards) if i % world_size == rank]
-    bar = tqdm(total=len(mine), desc="features", unit="shard", disable=not ctx.progress)
-    for i in mine:
+    for i in tqdm(mine, desc="features", unit="shard", disable=not ctx.progress):
         shard = f"part-{i:05d}.arrow"
         if output.has_shard(shard):
-            bar.update()
             continue
         chunk = rows[i * cfg.rows_per_shard : (i + 1) * cfg.rows_per_shard]
         for r in chunk:
             r["input_ids"] = r["input_ids"][: cfg.max_seq_len]
             r["loss_mask"] = r["loss_mask"][: cfg.max_seq_len]
-        if online:  # the tokens only: training computes the hidden states
-            output.write_ipc(shard, pa.Table.from_pylist(chunk, schema=schema))
-            bar.update()
-            continue
-        seqs = [r["input_ids"] for r in chunk]
-        aux_rows: list[torch.Tensor | None] = [None] * len(chunk)
-        last_rows: list[torch.Tensor | None] = [None] * len(chunk)
-        batches = length_batches([len(s) for s in seqs], cfg.batch_size)
-        for j, aux, last in sequence_features(target, seqs, batches):
-            aux_rows[j], last_rows[j] = aux, last
-        table = pa.table(
-            [
-                pa.array([r["seq_id"] for r in chunk], pa.string()),
-                pa.array([r["input_ids"] for r in chunk], pa.list_(pa.int32())),
-                pa.array([r["loss_mask"] for r in chunk], pa.list_(pa.int8())),
-                tensor_array(aux_rows, schema.field("aux_hidden")),
-                tensor_array(last_rows, schema.field("last_hidden")),
-            ],
-            schema=schema,
-        )
-        output.write_ipc(shard, table)
-        bar.update()
-    bar.close()
+        output.write_ipc(shard, source.table(chunk, cfg.batch_size))
     return {
         "target": ctx.target_loader.identity,
         "aux_layer_ids": list(target.aux_layer_ids),
@@ -157,7 +143,9 @@ def run(
         "draft_vocab_coverage": round(coverage, 4),
         "sequences": len(rows),
         "tokens": int(sum(len(r["input_ids"]) for r in rows)),
-    } | ({"mode": ONLINE, "trajectories": str(traj.ref)} if online else {})
+        **source.meta(),
+        **({"trajectories": str(traj.ref)} if source.online else {}),
+    }
 
 
 STAGE = Stage(
@@ -166,7 +154,7 @@ STAGE = Stage(
     version="1",
     config=Config,
     run=run,
-    doc="low/mid/high + last hidden states of the trajectories; the frozen draft-vocab map",
+    doc="the target's states the drafter kind reads (aux layers, last hidden) of the trajectories; the frozen draft-vocab map",
     inputs={"trajectories": ("trajectories",)},
     sharded=True,
 )

@@ -99,7 +99,7 @@ from pipeline.core.drafters import (
     write_drafter_dataset,
     written_summary,
 )
-from pipeline.core.featurize import is_online, sequences_of
+from pipeline.core.featurize import FeatureSource
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from pipeline.core.trainer import METRICS_SCHEMA as TRAIN_METRICS_SCHEMA
@@ -203,7 +203,7 @@ class ReplayBatch:
     """Training items right-padded to [B, T]; their N replays as flat [N, K] arrays. The hidden
     states of online rollouts are None until `ReplayIndex.featurize` computes them."""
 
-    aux_hidden: Tensor | None  # [B, T, 3H] bf16
+    aux_hidden: Tensor | None  # [B, T, n*H] bf16; None also for a kind that reads no aux layer
     input_ids: Tensor  # [B, T] int64
     loss_mask: Tensor  # [B, T] bool
     last_hidden: Tensor | None  # [B, T, H] bf16
@@ -245,14 +245,20 @@ class ReplayIndex:
     `lengths[i]` is the number of unroll rows item i needs: up to its last anchor's prefix (or the
     whole sequence when `full_sequences`, for a soft-CE on the rollout's own rows). `keys[i]` is
     the item's seq_id, so a held-out split keeps all samples of a sequence on one side.
-    Online rollouts (`features.mode=online`) hold no hidden states: `target` computes each
+    Online rollouts (`features.mode=online`) hold no hidden states: `source` computes each
     batch's in `featurize`, as `training.FeatureIndex` does for an online features dataset.
     """
 
     def __init__(
-        self, replays: Dataset, rollouts: Dataset, *, full_sequences: bool, target: Any = None
+        self,
+        replays: Dataset,
+        rollouts: Dataset,
+        *,
+        full_sequences: bool,
+        source: FeatureSource | None = None,
     ):
-        self.features = training.FeatureIndex(rollouts, FEATURE_COLUMNS, target=target)
+        columns = FEATURE_COLUMNS if source is None else source.columns
+        self.features = training.FeatureIndex(rollouts, columns, source=source)
         feature_row = {key: i for i, key in enumerate(self.features.keys)}
         seq_ids: list[str] = []
         anchors, samples, lengths_given = [], [], []
@@ -353,15 +359,16 @@ class ReplayIndex:
     def featurize(self, batch: ReplayBatch) -> ReplayBatch:
         """`batch` with its online rows' hidden states filled in: one target forward over the
         batch's token rows [B, T] (`FeatureIndex.featurize`), on the training thread."""
-        if batch.aux_hidden is not None:  # cached rollouts: nothing to compute
+        rows = batch.feature_rows.numpy()
+        if not self.features.online[rows].any():  # cached rollouts: nothing to compute
             return batch
         padded = training.PaddedBatch(
             {"input_ids": batch.input_ids},
-            torch.from_numpy(self.features.lengths[batch.feature_rows.numpy()]),
+            torch.from_numpy(self.features.lengths[rows]),
             batch.feature_rows,
         )
         states = self.features.featurize(padded).columns
-        batch.aux_hidden, batch.last_hidden = states["aux_hidden"], states["last_hidden"]
+        batch.aux_hidden, batch.last_hidden = states.get("aux_hidden"), states.get("last_hidden")
         return batch
 
 
@@ -589,14 +596,14 @@ def _setup_data(
     rank: int,
     world_size: int,
     *,
+    source: FeatureSource,
     pin_memory: bool = False,
-    target: Any = None,
 ) -> _Data:
-    """The run's loaders; `target` computes the hidden states of online features datasets
-    (the anchor's, a held-out one) batch by batch."""
+    """The run's loaders; `source` gives the states the drafter reads, computing them batch by
+    batch for online datasets (the rollouts, the anchor's features, a held-out one)."""
     replays, rollouts = inputs["replays"], inputs["rollouts"]
     ce_on_rollouts = cfg.ce_lambda > 0 and cfg.ce_source == "rollouts"
-    index = ReplayIndex(replays, rollouts, full_sequences=ce_on_rollouts, target=target)
+    index = ReplayIndex(replays, rollouts, full_sequences=ce_on_rollouts, source=source)
     bad = vocab.to_draft(index.tokens) < 0
     if bad.any():
         raise OpdError(
@@ -623,7 +630,9 @@ def _setup_data(
     held = dict(shuffle=False, equal_ranks=False, **common)
     anchor = None
     if "features" in inputs:
-        feature_index = training.FeatureIndex(inputs["features"], FEATURE_COLUMNS, target=target)
+        feature_index = training.FeatureIndex(
+            inputs["features"], index.features.columns, source=source
+        )
         anchor = training.FeatureLoader(
             feature_index,
             range(len(feature_index)),
@@ -642,7 +651,7 @@ def _setup_data(
         ttt_val=training.FeatureLoader(index.features, val_seqs, **held) if val_seqs else None,
         anchor=anchor,
         heldout=validation.heldout_loader(
-            inputs["heldout"], cfg, rank, world_size, pin_memory=pin_memory, target=target
+            inputs["heldout"], cfg, rank, world_size, source=source, pin_memory=pin_memory
         )
         if "heldout" in inputs
         else None,
@@ -771,25 +780,6 @@ def _trained_summary(cfg: Config, data: _Data, result: TrainResult) -> dict:
     }
 
 
-def _online_summary(inputs: dict[str, Dataset], data: _Data) -> dict:
-    """With online feature rows (the rollouts, the anchor's features or a held-out input): the
-    sequences the target featurized (a features dataset's trajectories; rollouts are their own)
-    and what it cost this run; empty when every feature was cached."""
-    online = [ds for role, ds in sorted(inputs.items()) if is_online(ds)]
-    if not online:
-        return {}
-    loaders = (data.anchor, data.heldout)
-    indexes = [data.index.features, *(loader.index for loader in loaders if loader is not None)]
-    return {
-        "online_features": {
-            "features": [str(ds.ref) for ds in online],
-            "trajectories": [sequences_of(ds) for ds in online],
-            "target_forwards_this_run": sum(i.target_forwards for i in indexes),
-            "target_seconds_this_run": round(sum(i.target_seconds for i in indexes), 2),
-        }
-    }
-
-
 def _trainer(
     cfg: Config,
     drafter: Drafter,
@@ -856,6 +846,7 @@ def run(
         return _pass_through(output, source, replays, base, rank)
 
     drafter = load_drafter_dataset(source, target, identity)
+    features = FeatureSource.reading(target, drafter.reads)
     data = _setup_data(
         cfg,
         inputs,
@@ -863,7 +854,7 @@ def run(
         rank,
         world_size,
         pin_memory=target.device.type == "cuda",
-        target=target,
+        source=features,
     )
     trainer = _trainer(cfg, drafter, data, output, rank, world_size, ctx, source, replays)
     anchor_stream = _cycle(data.anchor, trainer.step) if data.anchor is not None else None
@@ -902,7 +893,8 @@ def run(
     drafter = trainer.whole_drafter()
     if rank != 0:
         return {}
-    summary = base | _trained_summary(cfg, data, result) | _online_summary(inputs, data)
+    online = features.summary([ds for _, ds in sorted(inputs.items())])
+    summary = base | _trained_summary(cfg, data, result) | online
     summary = write_drafter_dataset(
         output, drafter, source, result.metrics, METRICS_SCHEMA, summary
     )

@@ -8,10 +8,12 @@ at T=0) while the log records where the drafter failed. Produces `rollouts`, per
   sequences-{i:05d}.parquet   seq_id, prompt_id, input_ids (prompt + generated: exactly the
                               decoder's tokens), prompt_len, loss_mask (1 on generated tokens),
                               finish_reason (eos | length)
-  features-{i:05d}.arrow      the `features` stage's schema (seq_id, input_ids, loss_mask,
-                              aux_hidden [T, 3H] bf16, last_hidden [T, H] bf16), one target
-                              forward per `batch_size` sequences sorted by length, so sft/opd
-                              loaders read it unchanged; online (below): the token columns only
+  features-{i:05d}.arrow      the `features` stage's schema (seq_id, input_ids, loss_mask and
+                              the states the drafter's kind reads: aux_hidden [T, n*H] bf16,
+                              last_hidden [T, H] bf16; Medusa's, last_hidden alone), one target
+                              forward per `batch_size` sequences sorted by length, written by
+                              `featurize.FeatureSource`, so sft/opd loaders read it unchanged;
+                              online (below): the token columns only
   rejections-{i:05d}.parquet  the rejection log, one row per drafted token (REJECTIONS_SCHEMA;
                               one schema for every drafter kind, `drafter_kind` names it: a
                               DFlash block is logged as the chain the loop verified)
@@ -60,7 +62,8 @@ forwards' teachers (`keep_teacher`) are per verify step, not per token, and stay
 
 Manifest meta: tau (mean accepted + 1 per verify step), alpha per offset (acceptance given the
 offset was reached; None where never reached), the target's identity, the drafter ref, round;
-online also `mode: online` and `feature_batch_size` (the batches score featurizes in).
+online also `mode: online` and `feature_batch_size` (the batches score featurizes in);
+`hidden_states` when the features hold fewer than both states (`FeatureSource.meta`).
 Resumes: shards whose four (five) files are complete are skipped; a shard's sampling seed depends only
 on (seed, shard, batch), so any worker layout and any resume produce the same bytes; online or
 cached is decided from the drafter's inputs and the config, the same on every resume.
@@ -85,14 +88,7 @@ from pipeline.core.checks import VOCAB_FILE
 from pipeline.core.config import DraftTree, StopConfidence, StrictConfig, optional_field
 from pipeline.core.decoders import check_tree_setting, decoder
 from pipeline.core.drafters import check_drafting_depth, load_drafter_dataset
-from pipeline.core.featurize import (
-    ONLINE,
-    feature_schema,
-    length_batches,
-    sequence_features,
-    token_schema,
-    trained_online,
-)
+from pipeline.core.featurize import ONLINE, FeatureSource, trained_online
 from pipeline.core.prompt_sets import select_prompts
 from pipeline.core.rollouts import TEACHER_FORMAT, shard_files, teacher_file
 from pipeline.core.runner import RunContext
@@ -233,11 +229,8 @@ def rollout_shard(
     chunk: list[dict],
     shard: int,
     cfg: Config,
-    *,
-    online: bool = False,
 ) -> dict[str, Any]:
-    """Decode one shard's prompts; return its sequences, features (none when `online`) and
-    logs as columns."""
+    """Decode one shard's prompts; return its sequences and logs as columns."""
     order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]["prompt_ids"]))
     generated: list[list[int]] = [[] for _ in chunk]
     reasons = [""] * len(chunk)
@@ -265,13 +258,6 @@ def rollout_shard(
             teachers.append(F.pad(res.teacher, (0, 0, 0, cfg.k - res.teacher.shape[1])))
     sequences = [list(p["prompt_ids"]) + g for p, g in zip(chunk, generated, strict=True)]
 
-    aux_rows: list[torch.Tensor | None] = [None] * len(chunk)
-    last_rows: list[torch.Tensor | None] = [None] * len(chunk)
-    if not online:  # online: score and opd compute them (in these batches, for score)
-        batches = length_batches([len(s) for s in sequences], cfg.batch_size)
-        for j, aux, last in sequence_features(target, sequences, batches):
-            aux_rows[j], last_rows[j] = aux, last
-
     # Records come grouped by batch; the log is written per sequence, in step and offset order.
     n_rec = len(records.get("sequence", []))
     rec_order = sorted(
@@ -294,8 +280,6 @@ def rollout_shard(
         "sequences": sequences,
         "generated": generated,
         "reasons": reasons,
-        "aux": aux_rows,
-        "last": last_rows,
         "records": records,
         "confidence": confidence,
         "steps": steps,
@@ -318,8 +302,7 @@ def _write_shard(
     run_name: str,
     drafter_ref: str,
     kind: str,
-    hidden: int,
-    online: bool,
+    features: FeatureSource,
 ) -> None:
     seq_file, feat_file, rej_file, steps_file = shard_files(i)
     masks = [
@@ -340,24 +323,12 @@ def _write_shard(
             schema=SEQUENCES_SCHEMA,
         ),
     )
-    schema = token_schema() if online else feature_schema(hidden)
-    hidden_states = [
-        tensor_array(out[key], schema.field(name))
-        for key, name in (("aux", "aux_hidden"), ("last", "last_hidden"))
-        if name in schema.names
+    # online: the tokens only; score and opd compute the states (in these batches, for score)
+    rows = [
+        {"seq_id": s, "input_ids": seq, "loss_mask": mask}
+        for s, seq, mask in zip(seq_ids, out["sequences"], masks, strict=True)
     ]
-    output.write_ipc(
-        feat_file,
-        pa.table(
-            [
-                pa.array(seq_ids, pa.string()),
-                pa.array(out["sequences"], pa.list_(pa.int32())),
-                pa.array(masks, pa.list_(pa.int8())),
-                *hidden_states,  # none when online
-            ],
-            schema=schema,
-        ),
-    )
+    output.write_ipc(feat_file, features.table(rows, cfg.batch_size))
     rec = out["records"]
     n = len(rec.get("sequence", []))
     tree = {name: rec.get(name, []) for name in ("node", "parent")} if cfg.tree else {}
@@ -404,7 +375,7 @@ def _write_shard(
         ),
     )
     if cfg.keep_teacher:
-        _write_teacher(output, i, seq_ids, st, out["teacher"], hidden)
+        _write_teacher(output, i, seq_ids, st, out["teacher"], features.target.hidden_size)
 
 
 def _write_teacher(
@@ -510,6 +481,7 @@ def run(
     check_drafting_depth(drafter_ds, cfg.k if cfg.tree is None else cfg.tree.depth)
     drafter = load_drafter_dataset(drafter_ds, target, identity).to(target.device)
     online = cfg.features == ONLINE if cfg.features else trained_online(drafter_ds)
+    features = FeatureSource.reading(target, drafter.reads, online=online)
     seq_ids = _seq_ids(prompts)
     if rank == 0 and not output.has_shard(VOCAB_FILE):
         output.write_file(VOCAB_FILE, drafter_ds.file(VOCAB_FILE))
@@ -522,7 +494,7 @@ def run(
             bar.update()
             continue
         lo, hi = i * cfg.rows_per_shard, (i + 1) * cfg.rows_per_shard
-        out = rollout_shard(target, drafter, prompts[lo:hi], i, cfg, online=online)
+        out = rollout_shard(target, drafter, prompts[lo:hi], i, cfg)
         _write_shard(
             output,
             i,
@@ -533,8 +505,7 @@ def run(
             ctx.run_name,
             str(drafter_ds.ref),
             drafter.kind,
-            target.hidden_size,
-            online,
+            features,
         )
         bar.update()
     bar.close()
@@ -560,7 +531,8 @@ def run(
             "drafter_kind": drafter.kind,
             "shards": n_shards,
         }
-        | ({"mode": ONLINE, "feature_batch_size": cfg.batch_size} if online else {})
+        | features.meta()
+        | ({"feature_batch_size": cfg.batch_size} if online else {})
     )
 
 

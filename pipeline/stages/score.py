@@ -32,10 +32,10 @@ every replayed token of the sequence in ONE tree-masked forward (`Target.score_t
 sequence once plus E x n x K branch tokens), instead of one full-prefix forward per anchor.
 
 Online rollouts (`features.mode=online`: features-*.arrow hold tokens only, meta `mode: online`)
-carry no target features: score computes them (aux [T, 3H], last [T, H], rounded to bf16 as
-the cache stores them) in the batches a cached rollout would have (sorted by length,
-`feature_batch_size` at a time, `featurize.length_batches`), one target forward per batch that
-holds a replayed sequence, batches without one skipped. Same batches, same padded width, so
+carry no target features: score computes them (the states the drafter reads, rounded to bf16
+as the cache stores them) in the batches a cached rollout would have (sorted by length,
+`feature_batch_size` at a time, `featurize.FeatureSource.sequences`), one target forward per
+batch that holds a replayed sequence, batches without one skipped. Same batches, same padded width, so
 the replays are byte for byte those of the cached rollout; the cost is the rollout's own
 featurizing forward, moved here (the meta's `online_features` counts them).
 
@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -95,7 +95,7 @@ from pipeline.core.checks import (
 )
 from pipeline.core.config import DraftTree, StrictConfig, optional_field
 from pipeline.core.drafters import drafter_kind, load_drafter_dataset
-from pipeline.core.featurize import is_online, length_batches, sequence_features
+from pipeline.core.featurize import FeatureSource, is_online
 from pipeline.core.rollouts import shard_files, teacher_file
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
@@ -223,8 +223,8 @@ def score_sequence(
     cfg: Config,
     generator: torch.Generator,
 ) -> dict[str, Any]:
-    """Replay every anchor x sample of one sequence (features: its ids [T], aux [T, F] and last
-    hidden states [T, H]) and score all of it in one target forward.
+    """Replay every anchor x sample of one sequence (features: its ids [T] and the states the
+    drafter reads, [T, F] aux and [T, H] last hidden) and score all of it in one target forward.
 
     Returns per replay (anchor-major, then sample): tokens, logq, p_token, accept_prob,
     reach_prob [R, K], length [R] and teacher_hidden [R, K, H] (bf16).
@@ -300,20 +300,6 @@ def _sequence_anchors(
     return out
 
 
-def _cached_features(rollouts: Dataset, feat_shard: str) -> Iterator[tuple[int, Tensor, Tensor]]:
-    """(row, aux [T, 3H], last [T, H]) of every sequence, as the rollout stored them."""
-    row0 = 0
-    for batch in rollouts.ipc_batches(feat_shard):
-        aux, offsets = read_tensor_column(
-            batch.column("aux_hidden"), batch.schema.field("aux_hidden")
-        )
-        last, _ = read_tensor_column(batch.column("last_hidden"), batch.schema.field("last_hidden"))
-        for r in range(batch.num_rows):
-            rows = slice(offsets[r], offsets[r + 1])
-            yield row0 + r, aux[rows], last[rows]
-        row0 += batch.num_rows
-
-
 def score_shard(
     target: Target, drafter: Drafter, rollouts: Dataset, i: int, cfg: Config
 ) -> tuple[pa.Table, int]:
@@ -325,21 +311,10 @@ def score_shard(
     seqs = tokens.column("input_ids").to_pylist()
     anchors = _sequence_anchors(rollouts, rej_shard, seq_ids, cfg)
     wanted = {r for r, a in enumerate(anchors) if a}
-    if is_online(rollouts):
-        # The rollout's own batches (those holding an anchored sequence): the bytes it caches.
-        batch_size = int(rollouts.meta.get("feature_batch_size", 1))
-        batches = length_batches([len(s) for s in seqs], batch_size)
-        batches = [idx for idx in batches if wanted.intersection(idx)]
-        features, forwards = sequence_features(target, seqs, batches), len(batches)
-    else:
-        features, forwards = _cached_features(rollouts, feat_shard), 0
+    source = FeatureSource.reading(target, drafter.reads)
     replays: dict[int, dict[str, Any]] = {}  # row -> its replays; scored in any row order
-    for r, aux, last in features:
-        if r not in wanted:
-            continue
-        seq_id = seq_ids[r]
-        gen = torch.Generator(device=target.device).manual_seed(_seed_of(cfg.seed + 1, seq_id))
-        seq = Features(torch.tensor(seqs[r]), aux, last)
+    for r, seq in source.sequences(rollouts, feat_shard, seqs, wanted):
+        gen = torch.Generator(device=target.device).manual_seed(_seed_of(cfg.seed + 1, seq_ids[r]))
         replays[r] = score_sequence(target, drafter, seq, [e for e, _ in anchors[r]], cfg, gen)
     schema = replay_schema(target.hidden_size)
     cols: dict[str, list] = {name: [] for name in schema.names}
@@ -354,7 +329,7 @@ def score_shard(
         for name in ("tokens", "logq", "p_token", "accept_prob", "reach_prob", "length"):
             cols[name] += out[name].tolist()
         cols["teacher_hidden"] += list(out["teacher_hidden"])
-    return _replay_table(cols, schema), forwards
+    return _replay_table(cols, schema), source.target_forwards
 
 
 def _replay_table(cols: dict[str, list], schema: pa.Schema) -> pa.Table:
@@ -496,6 +471,7 @@ def run(
     except ValueError as e:
         raise OpdError(f"{drafter_ds.ref}: {e}") from None
     check_drafter_vocab(rollouts, drafter, str(drafter_ds.ref))
+    FeatureSource.reading(target, drafter.reads).check(rollouts)
     if rank == 0 and not output.has_shard(VOCAB_FILE):
         output.write_file(VOCAB_FILE, rollouts.file(VOCAB_FILE))
 

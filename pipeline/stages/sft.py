@@ -58,7 +58,7 @@ from pipeline.core.drafters import (
     write_drafter_dataset,
     written_summary,
 )
-from pipeline.core.featurize import is_online, sequences_of
+from pipeline.core.featurize import FeatureSource
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from pipeline.core.trainer import (
@@ -70,7 +70,6 @@ from pipeline.core.trainer import (
     autocast,
 )
 from pipeline.core.validation import (
-    FEATURE_COLUMNS,
     features_of,
     heldout_loader,
     to_device,
@@ -245,12 +244,12 @@ def _setup_data(
     rank: int,
     world_size: int,
     *,
+    source: FeatureSource,
     pin_memory: bool = False,
-    target: Any = None,
 ) -> tuple[training.FeatureLoader, training.FeatureLoader]:
     """Train and validation loaders over the features, split by sequence with `cfg.seed`
-    (`target` computes the hidden states of online features datasets, batch by batch)."""
-    index = training.FeatureIndex(sources, FEATURE_COLUMNS, target=target)
+    (`source`: the states the drafter reads, computed batch by batch for online features)."""
+    index = training.FeatureIndex(sources, source.columns, source=source)
     train_rows, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
     common = dict(
         batch_size=cfg.batch_size,
@@ -336,26 +335,6 @@ def _summary(
     } | {k: run_summary[k] for k in SUMMARY_KEYS}
 
 
-def _online_summary(
-    datasets: list[Dataset], train: training.FeatureLoader, held: training.FeatureLoader | None
-) -> dict[str, Any]:
-    """With online features: which trajectories the target featurized, and what it cost this
-    run (timings: they measure the run, as `seconds_this_run` does). Empty when all features
-    were cached, so a cached run's summary is unchanged."""
-    online = [ds for ds in datasets if is_online(ds)]
-    if not online:
-        return {}
-    indexes = [train.index, *([held.index] if held is not None else [])]  # val shares train's
-    return {
-        "online_features": {
-            "features": [str(ds.ref) for ds in online],
-            "trajectories": [sequences_of(ds) for ds in online],
-            "target_forwards_this_run": sum(i.target_forwards for i in indexes),
-            "target_seconds_this_run": round(sum(i.target_seconds for i in indexes), 2),
-        }
-    }
-
-
 def run(
     cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
@@ -375,10 +354,11 @@ def run(
     vocab = DraftVocab(vocab_tensors["d2t"], vocab_tensors["t2d"])
 
     pin = target.device.type == "cuda"
-    train, val = _setup_data(cfg, sources, rank, world_size, pin_memory=pin, target=target)
+    source = FeatureSource.reading(target, (cfg.drafter or default_drafter()).reads())
+    train, val = _setup_data(cfg, sources, rank, world_size, source=source, pin_memory=pin)
     held = None
     if heldout is not None:
-        held = heldout_loader(heldout, cfg, rank, world_size, pin_memory=pin, target=target)
+        held = heldout_loader(heldout, cfg, rank, world_size, source=source, pin_memory=pin)
     drafter = _starting_drafter(inputs, target, vocab, cfg, ctx)
     trainer = Trainer(
         cfg,
@@ -415,7 +395,7 @@ def run(
     if rank != 0:
         return {}
     summary = _summary(cfg, sources, train, val, vocab, ctx, result, drafter.kind)
-    summary |= _online_summary([*sources, *([heldout] if heldout is not None else [])], train, held)
+    summary |= source.summary([*sources, *([heldout] if heldout is not None else [])])
     summary = write_drafter_dataset(output, drafter, feats, result.metrics, METRICS_SCHEMA, summary)
     trainer.finish()
     if world_size > 1:

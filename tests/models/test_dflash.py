@@ -541,7 +541,38 @@ def test_settings_beyond_the_target_are_refused_before_any_tensor(tiny_llama: Ta
         "anchors": DEFAULT_ANCHORS,
         "mask_token_id": 7,
         "head": "draft",
+        "target_layers": 3,
     }
+
+
+def test_target_layers_is_a_setting_the_target_captures_as_many_of(tiny_llama: Target, tmp_path):
+    """Five target layers (the public DFlash recipe's count): the context reads five states,
+    saved and recorded as such; a target capturing another count is refused in one line."""
+    from tests.models.conftest import tiny_hf_model
+
+    target = Target.from_model(tiny_hf_model(num_layers=8), aux_layers=5)
+    assert target.aux_layer_ids == (2, 3, 4, 5, 6)  # spread over layer 1's to layer 5's output
+    drafter = make_dflash(target, 64, target_layers=5)
+    assert drafter.config.target_layer_ids == (2, 3, 4, 5, 6)
+    assert drafter.fc.in_features == 5 * target.hidden_size
+    assert drafter.reads.target_layers == 5 and drafter.reads.last_hidden
+    ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = target.forward(ids)
+    assert out.aux_hidden.shape[-1] == 5 * target.hidden_size
+    unrolled = drafter.unroll(Features(ids, out.aux_hidden), None, 3)
+    teacher = teacher_draft_probs(out.logits, drafter.vocab, 0.0)
+    assert torch.isfinite(drafter.sft_loss(unrolled, teacher, out.last_hidden, decay=0.8))
+    save_drafter(drafter, tmp_path)
+    assert recorded_settings(tmp_path)["target_layers"] == 5
+    with pytest.raises(ValueError, match="reading 5 target layers .* captures 3") as err:
+        DFlashDrafter.check_settings({"target_layers": 5}, tiny_llama)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="does not match the target"):
+        load_drafter(tmp_path, target.embed_weight).check_target(
+            Target.from_model(
+                tiny_hf_model(num_layers=8), aux_layer_ids=(2, 3, 4, 5, 7), aux_layers=5
+            )
+        )
 
 
 def test_mask_token_is_the_pad_token_else_the_last_id():

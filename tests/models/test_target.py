@@ -354,3 +354,21 @@ def test_embedded_target_loads():
     ids = _ids(1, 16, target.vocab_size, 9)
     out = target.forward(ids)
     assert torch.isfinite(out.logits).all()
+
+
+def test_the_target_captures_as_many_layers_as_the_kind_reads():
+    from pipeline.core.targets import TargetConfig
+
+    # five layers spread as the public DFlash recipe places them: outputs of layers 1, 9 .. 33
+    assert default_aux_layer_ids(36, 5) == (2, 10, 18, 26, 34)
+    assert default_aux_layer_ids(36) == (2, 18, 33)  # three: EAGLE-3's and vLLM's
+    target = Target.from_model(tiny_hf_model("llama", num_layers=8), aux_layers=5)
+    assert target.aux_layer_ids == (2, 3, 4, 5, 6)
+    out = target.forward(torch.tensor([[1, 2, 3]]))
+    assert out.aux_hidden.shape[-1] == 5 * target.hidden_size
+    with pytest.raises(ValueError, match="must be 5 integers .*as many as the drafter kind reads"):
+        Target.from_model(tiny_hf_model("llama", num_layers=8), (1, 2, 3), aux_layers=5)
+    with pytest.raises(ValueError, match="must be 5 ids, as many as the drafter kind reads"):
+        TargetConfig(aux_layer_ids=[1, 2, 3], aux_layers=5)
+    with pytest.raises(ValueError, match="reads 5 target layers, but a 4-layer target has 3"):
+        TargetConfig(path="random", aux_layers=5)

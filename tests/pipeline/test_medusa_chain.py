@@ -29,6 +29,12 @@ def test_the_full_chain_trains_and_evaluates_a_medusa_drafter(tmp_path):
         ds = store.open(f"{name}@latest")
         assert json.loads((ds.path / "drafter_config.json").read_text())["kind"] == "medusa"
     rollouts = store.open("rollouts@latest")
+    # the heads read the last hidden state alone: no cached feature shard stores aux layers
+    for ds in (store.open("features@latest"), rollouts):
+        shard = next(s for s in ds.shards("ipc") if s.startswith(("part-", "features-")))
+        names = ds.read_ipc(shard).schema.names
+        assert "last_hidden" in names and "aux_hidden" not in names, names
+        assert ds.meta["hidden_states"] == ["last_hidden"]
     log = pl.read_parquet(rollouts.path / "rejections-*.parquet")
     assert set(log["drafter_kind"]) == {"medusa"}
     assert {"accepted", "rejected"} <= set(log["outcome"])

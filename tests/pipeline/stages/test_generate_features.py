@@ -116,3 +116,44 @@ def test_generate_refuses_empty_split(tiny):
     ctx2 = RunContext(store=empty_store, target_loader=ctx.target_loader, progress=False)
     with pytest.raises(OpdError, match="no 'train' prompts"):
         run_stage(generate.STAGE, cfg.generate, {"prompts": p}, ctx2)
+
+
+def test_features_store_only_what_the_drafter_kind_reads(tiny):
+    """A kind that reads the target's last hidden state alone (its spec's `reads`) gets feature
+    rows without the aux layers, the last hidden state byte for byte the default's; the
+    default's version is unchanged, and a kind that reads the aux layers refuses those rows in
+    one line before it trains."""
+    from models.drafters import KINDS
+    from pipeline.core.config import version_dict
+    from pipeline.profiles import load_config
+    from pipeline.stages import sft
+
+    store, ctx, cfg, prompts = tiny
+    (last_only,) = [s.name for s in KINDS.values() if s.reads.target_layers == 0]
+    tied = load_config("tiny", None, [f"drafter.kind={last_only}"]).features
+    assert tied.hidden_states == ["last_hidden"]
+    assert "hidden_states" not in version_dict(cfg.features)  # the default kind's: unchanged
+    named = features.Config.model_validate(
+        cfg.features.model_dump() | {"hidden_states": ["last_hidden", "aux_hidden"]}
+    )
+    assert version_dict(named) == version_dict(cfg.features)
+
+    traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
+    both = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
+    last = run_stage(features.STAGE, tied, {"trajectories": traj}, ctx).dataset
+    assert last.ref != both.ref and last.meta["hidden_states"] == ["last_hidden"]
+    assert "hidden_states" not in both.meta
+    hidden = ctx.target_loader.target.hidden_size
+    for shard in both.shards("ipc"):
+        full, slim = both.read_ipc(shard), last.read_ipc(shard)
+        assert slim.schema.names == ["seq_id", "input_ids", "loss_mask", "last_hidden"]
+        assert slim.column("last_hidden").equals(full.column("last_hidden"))
+        tokens = sum(len(ids) for ids in slim.column("input_ids").to_pylist())
+        for table, name, per_token in ((slim, "last_hidden", 2), (full, "aux_hidden", 6)):
+            values, _ = read_tensor_column(table.column(name), table.schema.field(name))
+            assert values.numel() * values.element_size() == per_token * hidden * tokens
+    with pytest.raises(
+        OpdError, match=r"stores \['last_hidden'\].* also reads \['aux_hidden'\]"
+    ) as err:
+        run_stage(sft.STAGE, cfg.sft, {"features": last}, ctx)
+    assert "\n" not in str(err.value)

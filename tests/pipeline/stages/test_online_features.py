@@ -30,7 +30,7 @@ from tests.pipeline.conftest import write_prompts
 REPO = Path(__file__).resolve().parents[3]
 # One sequence per forward in both modes, so the cached and the online forward run at the same
 # padded width and the two modes train on the same bytes (across widths the target's fp32
-# attention sums round differently, and a bf16 rounding can flip: see featurize_rows).
+# attention sums round differently, and a bf16 rounding can flip: see FeatureSource).
 ONE = dict(batch_size=1)
 
 

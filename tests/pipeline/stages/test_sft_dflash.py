@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from models.dflash import DFlashSettings
 from models.dflash.drafter import DFlashDrafter
 from models.drafters import load_drafter, recorded_kind
-from pipeline.core import drafters, training
+from pipeline.core import drafters, training, validation
 from pipeline.core.checks import vocab_of
 from pipeline.core.config import version_dict
 from pipeline.core.export import export_drafter
@@ -35,7 +35,7 @@ def test_dflash_sft_raises_validation_tau_over_an_untrained_drafter(tiny_feature
     drafter = load_drafter(ds.path, target.embed_weight, kind="dflash")
     assert isinstance(drafter, DFlashDrafter) and drafter.config.block_size == 4
 
-    index = training.FeatureIndex(feats, sft.FEATURE_COLUMNS)
+    index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
     _, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
     loader = training.FeatureLoader(index, val_rows, batch_size=4, max_tokens=4096, shuffle=False)
     how = dict(ttt_steps=3, tau_k=3, temperature=1.0, step_decay=0.8, bf16=False)
