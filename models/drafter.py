@@ -88,7 +88,8 @@ class Proposal:
     forwards: int  # drafter forwards spent
     dists: list[Tensor] | None = None
     """Chains at T>0: per node the drafter's distribution it was sampled from, [B, Vd] each
-    (the residual on a rejection needs it). None: each node is a point-mass proposal (trees)."""
+    (the residual on a rejection needs it). None: each node is a point-mass proposal, q = 1
+    at its token (trees; a chain of looked-up tokens), whose rejection removes it from p."""
     vocab_map: Tensor | None = None  # [Vd] target id of each `dists` entry
     parent: Tensor | None = None  # [B, N] trees: the parent's node index (1-based; 0 = the root)
     depth: Tensor | None = None  # [B, N] trees: 1-based depth
