@@ -14,8 +14,9 @@ from pathlib import Path
 from models.drafters import kind_spec
 from pipeline import stages
 from pipeline.core.config import StrictConfig, is_lossy
-from pipeline.core.drafters import drafter_kind
+from pipeline.core.drafters import drafter_kind, needs_training, refuse_untrained
 from pipeline.core.export import EXPORTS_DIR, export_drafter
+from pipeline.core.featurize import ONLINE
 from pipeline.core.runner import RunContext, StageResult, run_stage
 from pipeline.core.stage import Stage
 from pipeline.core.targets import TargetLoader, check_engine_target
@@ -67,10 +68,12 @@ def single_step(name: str, cfg: PipelineConfig) -> Step:
 
 
 def sft_chain(cfg: PipelineConfig) -> list[Step]:
+    # A kind that needs no training reads no features: only the tokens and the vocab map.
+    featurize = {} if needs_training(cfg.drafter.kind) else {"mode": ONLINE}
     return [
         _step("prompts", cfg),
         _step("generate", cfg, {"prompts": "prompts"}),
-        _step("features", cfg, {"trajectories": "generate"}),
+        _step("features", cfg, {"trajectories": "generate"}, **featurize),
         _step("sft", cfg, {"features": "features"}),
         _step("evaluate", cfg, {"prompts": "prompts", "drafter": "sft"}),
     ]
@@ -82,6 +85,8 @@ def opd_rounds(cfg: PipelineConfig, drafter: str = "sft", first: int = 1) -> lis
     Steps read `prompts` and, with the features anchor on, `features` from earlier steps.
     """
     steps: list[Step] = []
+    if cfg.rounds >= first:
+        refuse_untrained(cfg.drafter.kind, "Draft-OPD (rounds of rollout, score and opd)")
     for r in range(first, cfg.rounds + 1):
         opd_inputs = {"replays": f"score-r{r}", "rollouts": f"rollout-r{r}", "drafter": drafter}
         if cfg.opd.ce_lambda > 0 and cfg.opd.ce_source == "features":

@@ -10,6 +10,7 @@ with this kind (`KindSpec.baseline`), so each τ is read beside what needs no tr
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -140,9 +141,13 @@ class NgramDrafter(ServableDrafter):
                 f"this target's is {vocab}"
             )
         out_dir.mkdir(parents=True, exist_ok=True)
+        spec = self.speculative_config(out_dir, k)
+        served = getattr(target.config, "_name_or_path", "") or "<target-model-dir>"
         config = {
             # what `vllm serve --speculative-config` takes: vLLM's own proposer, no weights
-            "speculative_config": self.speculative_config(out_dir, k),
+            "speculative_config": spec,
+            "serve": f"vllm serve {shlex.quote(served)} --speculative-config "
+            + shlex.quote(json.dumps(spec)),
             PROVENANCE_KEY: {
                 "drafter_kind": self.kind,
                 "drafter_config": self.config.to_dict(),

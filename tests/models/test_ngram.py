@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 
 import pytest
 
@@ -168,6 +169,8 @@ def test_the_export_is_vllms_ngram_config_and_reads_back(tiny_llama: Target, tmp
         "prompt_lookup_max": 5,
     }
     assert drafter.speculative_config(out, 3) == spec
+    serve = json.loads((out / "config.json").read_text())["serve"]
+    assert serve.startswith("vllm serve ") and json.loads(shlex.split(serve)[-1]) == spec
     assert round_trip_diff(drafter, out, tiny_llama.embed_weight) == 0.0
     assert read_export(out, None).config == drafter.config
 
