@@ -61,7 +61,7 @@ from models.decoding import (
     depth_alpha,
     target_generate,
 )
-from models.drafter import ServableDrafter
+from models.drafter import Drafter, ServableDrafter
 from models.vocab import DraftVocab
 from pipeline.core.config import (
     DraftTree,
@@ -435,7 +435,13 @@ def _read_part(output: DatasetWriter, where: str) -> dict[str, Decoded]:
 
 
 def _decode(
-    target, drafter, prompts, cfg: Config, first: int, progress: bool, baseline=None
+    target,
+    drafter: Drafter,
+    prompts,
+    cfg: Config,
+    first: int,
+    progress: bool,
+    baseline: Drafter | None = None,
 ) -> dict[str, Decoded]:
     """The trained drafter's decoding of `prompts` (and the untrained contrast's, when on and
     the kind trains; and the free baseline's, when given)."""
@@ -457,10 +463,13 @@ BASELINE_DIR = "_baseline"
 
 def baseline_plan(cfg: Config, drafter, prompts: Dataset, ctx: RunContext):
     """(the baseline drafter, its cache file, its cached numbers or None), or None when this
-    evaluation measures no free baseline: switched off, none registered, the drafter is one,
-    or a draft tree (the lookup drafts chains, as vLLM's)."""
+    evaluation measures no free baseline: switched off, none registered, the drafter is one, a
+    draft tree (the lookup drafts chains, as vLLM's) or lossy verification (its numbers would
+    be typical acceptance's, not the target's law)."""
     spec = baseline_kind()
-    if not cfg.free_baseline or spec is None or spec.name == drafter.kind or cfg.tree is not None:
+    if not cfg.free_baseline or spec is None or spec.name == drafter.kind:
+        return None
+    if cfg.tree is not None or lossy(cfg):
         return None
     target = ctx.target_loader.target
     lookup = spec.drafter.new(target, DraftVocab.full(target.vocab_size), {}).eval()
