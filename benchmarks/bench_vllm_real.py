@@ -63,7 +63,7 @@ def main() -> None:
     plain = EngineSpec(str(args.target), args.dtype)
     engines = {
         "plain": plain,
-        "ngram": EngineSpec(
+        vllm_engine.NGRAM: EngineSpec(
             str(args.target), args.dtype, None, args.ngram_k, method=vllm_engine.NGRAM
         ),
     }
@@ -123,7 +123,7 @@ def main() -> None:
         "batch_size": 1,
         "temperature": 0,
         "max_new_tokens": args.max_new_tokens,
-        "k": {"ngram": args.ngram_k, "exports": args.k},
+        "k": {vllm_engine.NGRAM: args.ngram_k, "exports": args.k},
         "ngram_lookup": list(vllm_engine.NGRAM_LOOKUP),
         "prompts": dict(count),
         "by_set": {g: {n: row(n, [g]) for n in engines} for g in groups},

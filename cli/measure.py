@@ -93,6 +93,8 @@ def eval_cmd(
             click.echo(
                 f"  an untrained drafter on the same prompts: tau {stats['tau_untrained']:.3f}"
             )
+        if "free_baseline" in stats:
+            click.echo(f"  {evaluate.baseline_line(stats['free_baseline'])}")
         click.echo(f"  target forwards per token {stats['target_forwards_per_token']:.4f}")
         if "tau_vllm" in stats:
             click.echo(f"  inside vLLM: tau {stats['tau_vllm']:.3f}")

@@ -174,6 +174,9 @@ def speculative_generate(
         else:
             proposal = Proposal.empty(state.batch, device, chain)
         counts["drafter"] += proposal.forwards
+        if chain and proposal.lengths is not None:  # rows that drafted fewer (a lookup)
+            budget = torch.minimum(budget, proposal.lengths)
+            proposal = truncated(proposal, budget)
         if chain and cfg.shape.stop_confidence > 0:
             budget = torch.minimum(budget, _confident(proposal, cfg.shape.stop_confidence))
             proposal = truncated(proposal, budget)
@@ -324,7 +327,9 @@ def _prefill(
     seq[rows, lengths] = first
     state = _Batch(seq, lengths + 1, lengths.clone(), cache, valid, target)
     # ids are a copy: later steps write into `seq` where short prompts end
-    first_rows = Features(seq[:, 1 : width + 1].clone(), aux, last, positions, valid.clone())
+    first_rows = Features(
+        seq[:, 1 : width + 1].clone(), aux, last, positions, valid.clone(), seq[:, 0].clone()
+    )
     return state, first_rows
 
 

@@ -88,10 +88,14 @@ class Proposal:
     forwards: int  # drafter forwards spent
     dists: list[Tensor] | None = None
     """Chains at T>0: per node the drafter's distribution it was sampled from, [B, Vd] each
-    (the residual on a rejection needs it). None: each node is a point-mass proposal (trees)."""
+    (the residual on a rejection needs it). None: each node is a point-mass proposal, q = 1
+    at its token (trees; a chain of looked-up tokens), whose rejection removes it from p."""
     vocab_map: Tensor | None = None  # [Vd] target id of each `dists` entry
     parent: Tensor | None = None  # [B, N] trees: the parent's node index (1-based; 0 = the root)
     depth: Tensor | None = None  # [B, N] trees: 1-based depth
+    lengths: Tensor | None = None
+    """Chains: [B] nodes each row proposes (a lookup finds fewer, or none, for some rows);
+    None: all N, up to the row's budget."""
     joint_confidence: bool = True
     """How a chain's stop rule reads `confidence`: True, each node's is conditional on the drafts
     before it (a chain drafted node by node), so their product is the proposal's probability;
@@ -358,6 +362,15 @@ class ServableDrafter(Drafter):
         """Write this drafter as `fmt` (one of the spec's `export_formats`) into `out_dir` to
         serve `k` speculative tokens, refusing (`models.export.ExportError`) what vLLM would
         load but serve wrongly."""
+
+    def speculative_config(self, export_dir: Path, k: int) -> dict[str, Any]:
+        """vLLM's `--speculative-config` serving this drafter's export in `export_dir` with
+        `k` drafted tokens asked for."""
+        return {
+            "method": self.spec.serve_method,
+            "model": str(export_dir.resolve()),
+            "num_speculative_tokens": self.served_tokens(k),
+        }
 
     def served_tokens(self, k: int) -> int:
         """`num_speculative_tokens` vLLM must serve this drafter with, given the K asked for

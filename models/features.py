@@ -30,13 +30,16 @@ class Features:
     last_hidden: Tensor | None = None  # [B, T, H] its final (post-norm) state; None: not read
     positions: Tensor | None = None  # [B, T] sequence positions; None: 0..T-1
     valid: Tensor | None = None  # [B, T] bool, rows that hold a token; None: every row
+    head: Tensor | None = None
+    """[B] the prefill's committed rows only: each prompt's first token, which no row comes
+    after (a drafter reading the whole text, as prompt lookup does, needs it)."""
 
     def select(self, rows: Tensor) -> Features:
         """The batch rows `rows` [B'] (finished sequences left the batch)."""
         return Features(*(None if t is None else t[rows] for t in self._fields()))
 
     def _fields(self) -> tuple[Tensor | None, ...]:
-        return (self.ids, self.aux, self.last_hidden, self.positions, self.valid)
+        return (self.ids, self.aux, self.last_hidden, self.positions, self.valid, self.head)
 
 
 def replay_inputs(

@@ -136,6 +136,9 @@ class KindSpec:
     """SFT objectives the kind trains besides its own default, by name -> label; the first is
     the default's own name (naming it is the same as leaving `sft.objective` unset)."""
     tree_note: str | None = None  # what the export says about serving draft trees
+    baseline: bool = False
+    """The training-free kind every evaluation also decodes its prompts with (at most one):
+    what a trained drafter's τ and speed-up are read against."""
 
     def __post_init__(self) -> None:
         # a drafter and its settings reach the kind's capabilities through their classes

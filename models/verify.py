@@ -15,7 +15,9 @@ into; when none is, the emitted token is a sample of r (of p after the last draf
 bonus token).
   - a chain (or a DFlash block: a chain to the verifier) has one child per node, drawn from the
     drafter's q, so its tests run at once: offset k is reached iff every earlier draft was
-    accepted (`reach`), and only the first rejected offset's residual is sampled;
+    accepted (`reach`), and only the first rejected offset's residual is sampled; a chain
+    without `dists` is one of point masses (q = 1 at each draft: prompt lookup), so a draft is
+    accepted with p(x) and its rejection leaves p without x;
   - a tree's children are point masses (q = delta_x): a child is accepted with r(x), and a
     rejection removes x from r.
 
@@ -229,14 +231,20 @@ def correction(
 ) -> Tensor:
     """The token after a chain's accepted prefix [B]: a sample of the residual
     norm(max(0, p - q)) at the first rejected offset, else the bonus sample of p after the
-    block. p [B, K+1, V]; q is the proposal's `dists` [B, Vd] per offset, in draft ids."""
+    block. p [B, K+1, V]; q is the proposal's `dists` [B, Vd] per offset, in draft ids, or,
+    without `dists`, the point mass at each draft (a lookup's drafts): its residual is p
+    without the rejected draft, as a tree's rejected child leaves it."""
     rows = torch.arange(len(p), device=p.device)
     p_next = p[rows, accepted]  # [B, V]
     rejected = accepted < block_len
-    dists = proposal.dists
-    if dists and bool(rejected.any()):
-        q_stack = torch.stack(dists, dim=1)  # [B, K, Vd]
-        q_at = q_stack[rows, accepted.clamp(max=len(dists) - 1)]  # [B, Vd]
+    if not bool(rejected.any()):
+        return torch.multinomial(p_next, 1, generator=gen)[:, 0]
+    at = accepted.clamp(max=proposal.tokens.shape[1] - 1)  # [B] the first rejected offset
+    if proposal.dists is None:
+        draft = proposal.tokens.gather(1, at[:, None])  # [B, 1]
+        p_next = residual_without(p_next, draft, rejected[:, None])
+    else:
+        q_at = torch.stack(proposal.dists, dim=1)[rows, at]  # [B, Vd]
         vocab_map = proposal.vocab_map.to(p.device)
         q_full = torch.zeros_like(p_next).index_copy_(1, vocab_map, q_at)  # [B, V]
         p_next = torch.where(rejected[:, None], residual(p_next, q_full), p_next)

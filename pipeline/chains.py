@@ -14,7 +14,7 @@ from pathlib import Path
 from models.drafters import kind_spec
 from pipeline import stages
 from pipeline.core.config import StrictConfig, is_lossy
-from pipeline.core.drafters import drafter_kind
+from pipeline.core.drafters import drafter_kind, refuse_untrained
 from pipeline.core.export import EXPORTS_DIR, export_drafter
 from pipeline.core.runner import RunContext, StageResult, run_stage
 from pipeline.core.stage import Stage
@@ -82,6 +82,8 @@ def opd_rounds(cfg: PipelineConfig, drafter: str = "sft", first: int = 1) -> lis
     Steps read `prompts` and, with the features anchor on, `features` from earlier steps.
     """
     steps: list[Step] = []
+    if cfg.rounds >= first:
+        refuse_untrained(cfg.drafter.kind, "Draft-OPD (rounds of rollout, score and opd)")
     for r in range(first, cfg.rounds + 1):
         opd_inputs = {"replays": f"score-r{r}", "rollouts": f"rollout-r{r}", "drafter": drafter}
         if cfg.opd.ce_lambda > 0 and cfg.opd.ce_source == "features":

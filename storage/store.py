@@ -9,6 +9,7 @@ Layout under the data root (``--root`` / ``OPD_HOME``, default ``./opd-data``)::
     <root>/<name>/LATEST                the version the newest commit (or reuse) produced
     <root>/_runs/<run>.json             a run: which version each stage produced
     <root>/_tune/<NAME-VERSION>.json    `opd tune`'s measurements (pipeline.core.tuning)
+    <root>/_baseline/<key>.json         evaluate's free baseline (pipeline/stages/evaluate.py)
     <root>/_cache/verified/...          which shards were checksummed already (size + mtime)
     <root>/<name>/.<version>.staging/   a forced recompute of a committed version, until it commits
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from models.drafter import Drafter
+from models.drafter import Drafter, TrainableDrafter
 from models.drafters import (
     CONFIG_FILE,
+    KINDS,
     WEIGHTS_FILE,
     drafter_class,
     load_drafter,
@@ -24,6 +25,7 @@ from models.drafters import (
     recorded_settings,
     save_drafter,
 )
+from models.kind import KindSpec
 from models.target import Target
 from pipeline.core.checks import VOCAB_FILE, check_same_target
 from pipeline.core.config import DrafterConfig
@@ -40,6 +42,30 @@ def drafter_kind(ds: Dataset) -> str:
     if ds.ref.name not in DRAFTER_DATASETS:
         raise OpdError(f"{ds.ref} is not a drafter; pass an sft or opd dataset (e.g. sft@latest)")
     return recorded_kind(ds.path)
+
+
+def needs_training(kind: str) -> bool:
+    """Whether drafters of `kind` learn (a `TrainableDrafter`). One that does not (prompt
+    lookup) reads no features: the sft chain featurizes nothing for it and `sft` writes its
+    dataset untrained, and Draft-OPD refuses it (`refuse_untrained`)."""
+    return issubclass(drafter_class(kind), TrainableDrafter)
+
+
+def baseline_kind() -> KindSpec | None:
+    """The registry's training-free baseline (`KindSpec.baseline`: prompt lookup), which every
+    evaluation also measures; None when no kind is one."""
+    return next((spec for spec in KINDS.values() if spec.baseline), None)
+
+
+def refuse_untrained(kind: str, what: str) -> None:
+    """One line refusing a kind that needs no training where `what` (a Draft-OPD stage or
+    chain) would train it."""
+    if not needs_training(kind):
+        raise OpdError(
+            f"a {kind} drafter needs no training, so {what} has nothing to train: evaluate or "
+            "roll it out (opd run sft-chain, opd eval, opd run rollout), or set drafter.kind to "
+            "a kind that trains"
+        )
 
 
 def check_continued_drafter(ds: Dataset, wanted: DrafterConfig) -> None:
@@ -131,6 +157,8 @@ def trained_depth(ds: Dataset) -> int | None:
     training-time-test unroll), Draft-OPD's replay depth, the deepest along the drafter's
     lineage; None when no dataset of the lineage records one (or it is not in this store)."""
     depths = []
+    if ds.meta.get("untrained"):
+        return None  # nothing was trained: it drafts any depth as well as any other
     if ds.ref.name == "sft":
         depths.append(ds.config.get("stage", {}).get("ttt_steps"))
     elif "replays" in ds.inputs:

@@ -17,9 +17,10 @@ import os
 import re
 import shlex
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from models.drafter import ExportTarget
 from models.drafters import kind_spec
@@ -74,8 +75,9 @@ def default_verifier(loader: TargetLoader) -> tuple[str, str | None]:
     )
 
 
-def vllm_command(target_dir: str, export_dir: Path, k: int, method: str) -> str:
-    spec = {"method": method, "model": str(export_dir.resolve()), "num_speculative_tokens": k}
+def vllm_command(target_dir: str, spec: Mapping[str, Any]) -> str:
+    """`vllm serve` of the target with a drafter's `--speculative-config` (its
+    `ServableDrafter.speculative_config`)."""
     return (
         f"vllm serve {shlex.quote(target_dir)} --speculative-config {shlex.quote(json.dumps(spec))}"
     )
@@ -383,9 +385,7 @@ def export_drafter(
         "path": str(path),
         "max_logit_diff": diff,
         "num_speculative_tokens": drafter.served_tokens(k),
-        "vllm_command": vllm_command(
-            _serve_dir(loader), path, drafter.served_tokens(k), drafter.spec.serve_method
-        ),
+        "vllm_command": vllm_command(_serve_dir(loader), drafter.speculative_config(path, k)),
         "tree_note": drafter.spec.tree_note,  # only a kind that drafts trees has one
         "warnings": warnings,
     }

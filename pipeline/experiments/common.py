@@ -185,6 +185,7 @@ class Warmup:
     budget: int  # row-steps the warm-up's own training ran
     tau: dict[str, float]  # evaluated, by temperature
     alpha: dict[str, list[float]]  # evaluated acceptance per draft offset, by temperature
+    free_baseline: dict[str, Any]  # the training-free baseline's τ on the same prompts, by T
 
 
 def warm_up(run: Runner, cfg: PipelineConfig, prompts: Dataset | None) -> Warmup:
@@ -205,15 +206,18 @@ def warm_up(run: Runner, cfg: PipelineConfig, prompts: Dataset | None) -> Warmup
         sft_budget(drafter),
         evaluated["tau"],
         evaluated["alpha"],
+        evaluated["free_baseline"],
     )
 
 
 def evaluate_drafter(
     run: Runner, key: str, cfg: PipelineConfig, prompts: Dataset, drafter: Dataset
 ) -> dict[str, dict[str, Any]]:
-    """{"tau": tau, "alpha": acceptance per draft offset (chain position or block slot)}, each
-    by temperature, decoding the held-out prompts."""
-    out: dict[str, dict[str, Any]] = {"tau": {}, "alpha": {}}
+    """{"tau": tau, "alpha": acceptance per draft offset (chain position or block slot),
+    "free_baseline": the training-free baseline's τ on the same prompts (prompt lookup, when
+    evaluate measured it: `evaluate.free_baseline`)}, each by temperature, decoding the
+    held-out prompts."""
+    out: dict[str, dict[str, Any]] = {"tau": {}, "alpha": {}, "free_baseline": {}}
     for t in TEMPERATURES:
         # no plain-decoding timing, no untrained-drafter contrast (the warm-up is it)
         ecfg = cfg.evaluate.model_copy(
@@ -223,6 +227,9 @@ def evaluate_drafter(
             f"{key}:eval-T{t}", evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": drafter}
         ).meta
         out["tau"][str(t)], out["alpha"][str(t)] = meta["tau"], meta["alpha"]
+        if "free_baseline" in meta:
+            free = meta["free_baseline"]
+            out["free_baseline"][str(t)] = {"title": free["title"], "tau": free["tau"]}
     return out
 
 

@@ -159,6 +159,7 @@ def opd_vs_sft(
             "budget_row_steps": warm.budget,
             "tau": warm.tau,
             "alpha": warm.alpha,
+            "free_baseline": warm.free_baseline,
             "val": val_curve(warm.drafter),
         },
         "runs": runs,
@@ -437,6 +438,13 @@ def _markdown(
             f"| {fmt_stats(result[f'tau_opd{s}_per_seed'])} "
             f"| {result[f'opd_over_sft_continued{s}']:.3f} | {ratios} |"
         )
+    free = warm.get("free_baseline") or {}
+    if free:
+        title = next(iter(free.values()))["title"]
+        taus = ", ".join(
+            f"{free[str(t)]['tau']:.3f} at T={t:g}" for t in TEMPERATURES if str(t) in free
+        )
+        lines += ["", f"Beside them, {title} (needs no training) on the same prompts: τ {taus}."]
     lines += [
         "",
         "Mean ± sample std over seeds; per-seed values in `tau.parquet` (below).",
@@ -571,6 +579,10 @@ def summary_text(result: dict[str, Any]) -> str:
         lines.append(
             f"{t:>5} {result[f'tau_sft_warmup{s}']:>9.3f} {sft_s:>18} {opd_s:>18} "
             f"{result[f'opd_over_sft_continued{s}']:>8.3f}"
+        )
+    for t, free in result["warmup"].get("free_baseline", {}).items():
+        lines.append(
+            f"  beside them at T={t}: {free['title']} (no training), tau {free['tau']:.3f}"
         )
     if "speed" in result:
         lines.append(f"speed-up over plain decoding (seed {result['speed']['seed']}):")

@@ -9,6 +9,15 @@ numbers: τ (mean of accepted + 1 per verify step, the EAGLE/vLLM convention), �
 speculative decoding against plain target decoding timed in the same run on the same prompts.
 At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`).
 
+The training-free baseline: every evaluation also decodes the same prompts, in the same loop
+and settings, with the registry's baseline kind (`KindSpec.baseline`: prompt lookup, vLLM's
+`ngram` method, which any user can switch on for free) and records its τ, α, tokens/s and
+speed-up over the plain decoding timed in this run as `free_baseline`, so a trained drafter is
+always read beside what needs no training. Its numbers depend on the prompts, the target and
+the decoding settings, never on the drafter, so they are cached in
+`<root>/_baseline/<key>.json` (keyed by those and by this machine, as wall-clock numbers
+belong to it): the evaluations of one run's sft and opd drafters decode it once.
+
 With `drafting.tree` set it decodes on EAGLE-2 dynamic trees (models/eagle3/propose.py; the one loop in models/decoding.py verifies them):
 `drafts.parquet` then has one row per tree node (plus node, parent and confidence; offset is
 the node's depth), `steps.parquet` the row's depth budget, and α is per depth (a step that
@@ -34,8 +43,10 @@ so re-running a version is skipped unless forced.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +61,8 @@ from models.decoding import (
     depth_alpha,
     target_generate,
 )
-from models.drafter import ServableDrafter
+from models.drafter import Drafter, ServableDrafter
+from models.vocab import DraftVocab
 from pipeline.core.config import (
     DraftTree,
     StopConfidence,
@@ -58,13 +70,21 @@ from pipeline.core.config import (
     TypicalAcceptance,
     optional_field,
     runtime_field,
+    version_dict,
 )
 from pipeline.core.decoders import check_tree_setting, decoder
-from pipeline.core.drafters import check_drafting_depth, load_drafter_dataset
+from pipeline.core.drafters import (
+    baseline_kind,
+    check_drafting_depth,
+    load_drafter_dataset,
+    needs_training,
+)
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, HELDOUT_SETS, Inputs, Stage
 from pipeline.core.targets import check_engine_target, resolve_dtype
-from storage import Dataset, DatasetWriter, OpdError
+from storage import Dataset, DatasetWriter, OpdError, canonical_json
+from storage.jsonfile import UnreadableJson, read_json_object
+from storage.store import atomic_write_text
 
 log = logging.getLogger("opd")
 
@@ -100,6 +120,11 @@ class Config(StrictConfig):
     untrained_contrast: bool = True
     """Also measure a freshly initialised drafter (same config and vocab map) on the same
     prompts, so τ is read against what training bought."""
+    free_baseline: bool = runtime_field(
+        True,
+        "also measure the training-free baseline kind (prompt lookup) on the same prompts, "
+        "cached per prompts, target, settings and machine (module docstring)",
+    )
 
     @field_validator("skip_prompts")
     @classmethod
@@ -311,6 +336,15 @@ def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
     return stats
 
 
+def baseline_line(free: dict[str, Any]) -> str:
+    """The free baseline's numbers as one line (the log's and `opd eval`'s)."""
+    speed = f", {free['speedup']:.2f}x plain decoding" if "speedup" in free else ""
+    return (
+        f"{free['title']} (needs no training) on the same prompts: tau={free['tau']:.3f}{speed}"
+        + (" (cached)" if "cached" in free else "")
+    )
+
+
 # vLLM and this project decode the same way at T=0; past this relative gap τ is worth a look.
 TAU_VLLM_TOLERANCE = 0.10
 
@@ -401,17 +435,80 @@ def _read_part(output: DatasetWriter, where: str) -> dict[str, Decoded]:
 
 
 def _decode(
-    target, drafter, prompts, cfg: Config, first: int, progress: bool
+    target,
+    drafter: Drafter,
+    prompts,
+    cfg: Config,
+    first: int,
+    progress: bool,
+    baseline: Drafter | None = None,
 ) -> dict[str, Decoded]:
-    """The trained drafter's decoding of `prompts` (and the untrained contrast's, when on)."""
+    """The trained drafter's decoding of `prompts` (and the untrained contrast's, when on and
+    the kind trains; and the free baseline's, when given)."""
     torch.manual_seed(cfg.seed)
     parts = {"trained": evaluate(target, drafter, prompts, cfg, progress, first=first)}
-    if cfg.untrained_contrast:
+    quick = cfg.model_copy(update={"measure_baseline": False})
+    if cfg.untrained_contrast and needs_training(drafter.kind):
         torch.manual_seed(cfg.seed)
         untrained = drafter.untrained().eval()
-        quick = cfg.model_copy(update={"measure_baseline": False})
         parts["untrained"] = evaluate(target, untrained, prompts, quick, first=first)
+    if baseline is not None:
+        parts["baseline"] = evaluate(target, baseline, prompts, quick, first=first)
     return parts
+
+
+BASELINE_DIR = "_baseline"
+"""Under the data root: the free baseline's measurements (module docstring)."""
+
+
+def baseline_plan(cfg: Config, drafter, prompts: Dataset, ctx: RunContext):
+    """(the baseline drafter, its cache file, its cached numbers or None), or None when this
+    evaluation measures no free baseline: switched off, none registered, the drafter is one, a
+    draft tree (the lookup drafts chains, as vLLM's) or lossy verification (its numbers would
+    be typical acceptance's, not the target's law)."""
+    spec = baseline_kind()
+    if not cfg.free_baseline or spec is None or spec.name == drafter.kind:
+        return None
+    if cfg.tree is not None or lossy(cfg):
+        return None
+    target = ctx.target_loader.target
+    lookup = spec.drafter.new(target, DraftVocab.full(target.vocab_size), {}).eval()
+    decoding = version_dict(cfg) | {"measure_baseline": cfg.measure_baseline}
+    for unused in ("untrained_contrast", "backend", "stop_confidence"):
+        decoding.pop(unused, None)  # a lookup's confidence is 1: no stop rule cuts it
+    key = {
+        "kind": spec.name,
+        "config": lookup.config.to_dict(),
+        "target": ctx.target_loader.identity,
+        "prompts": str(prompts.ref),
+        "evaluate": decoding,
+        "machine": [platform.node(), str(target.device), torch.get_num_threads()],
+    }
+    digest = hashlib.sha256(canonical_json(key).encode()).hexdigest()[:16]
+    path = ctx.store.root / BASELINE_DIR / f"{digest}.json"
+    try:
+        cached = read_json_object(path) if path.is_file() else None
+    except UnreadableJson as e:
+        log.warning("%s; measuring the free baseline again", e)
+        cached = None
+    return lookup, path, cached
+
+
+def baseline_stats(part: Decoded, cfg: Config, prompts: int, stats: dict, spec) -> dict[str, Any]:
+    """The free baseline's numbers from its decoding (`free_baseline` in the meta)."""
+    quick = cfg.model_copy(update={"measure_baseline": False})
+    base = summarize(part, quick, prompts)
+    out = {
+        "kind": spec.name,
+        "title": spec.title,
+        "tau": base["tau"],
+        "alpha": base["alpha"],
+        "target_forwards_per_token": base["target_forwards_per_token"],
+        "tokens_per_s": base["tokens_per_s"],
+    }
+    if "baseline_tokens_per_s" in stats:
+        out["speedup"] = base["tokens_per_s"] / stats["baseline_tokens_per_s"]
+    return out
 
 
 def run(
@@ -441,14 +538,20 @@ def run(
         )
     prompts, labels = prompt_sets(inputs["prompts"], cfg)
     check_tree_setting(target, cfg.tree, prompts, cfg.max_new_tokens)
+    plan = baseline_plan(cfg, drafter, inputs["prompts"], ctx)
+    # sharded, every rank decodes its share of it: a cache hit on some ranks only would leave
+    # the merge without their rows
+    lookup = plan[0] if plan is not None and (plan[2] is None or world_size > 1) else None
     if world_size == 1:
-        merged = _decode(target, drafter, prompts, cfg, 0, ctx.progress)
+        merged = _decode(target, drafter, prompts, cfg, 0, ctx.progress, lookup)
     else:
         lo, hi = _share(len(prompts), cfg.batch_size, rank, world_size)
         where = _part_dir(rank, world_size)
         if not output.has_shard(f"{where}/sums.json"):
             _write_part(
-                output, where, _decode(target, drafter, prompts[lo:hi], cfg, lo, ctx.progress)
+                output,
+                where,
+                _decode(target, drafter, prompts[lo:hi], cfg, lo, ctx.progress, lookup),
             )
         if rank != 0:
             return {}
@@ -471,10 +574,17 @@ def run(
             stats["tau"],
             output.store.root / "_work" / "evaluate" / output.version / "vllm.log",
         )
-    if cfg.untrained_contrast:
+    if "untrained" in merged:
         quick = cfg.model_copy(update={"measure_baseline": False})
         base = summarize(merged["untrained"], quick, len(prompts))
         stats |= {"tau_untrained": base["tau"], "alpha_untrained": base["alpha"]}
+    if "baseline" in merged:
+        free = baseline_stats(merged["baseline"], cfg, len(prompts), stats, baseline_kind())
+        plan[1].parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(plan[1], json.dumps(free, indent=2, sort_keys=True))
+        stats["free_baseline"] = free
+    elif plan is not None:
+        stats["free_baseline"] = plan[2] | {"cached": str(plan[1])}
     output.write_parquet("steps.parquet", out.steps.rechunk().to_arrow())
     output.write_parquet("drafts.parquet", out.drafts.rechunk().to_arrow())
     alpha = " ".join(f"{a:.2f}" for a in stats["alpha"])
@@ -490,6 +600,8 @@ def run(
         speed,
         " (typical acceptance: LOSSY, not the target's law)" if lossy(cfg) else "",
     )
+    if (free := stats.get("free_baseline")) is not None:
+        log.info("[evaluate] beside it, %s", baseline_line(free))
     return stats | {"drafter": str(inputs["drafter"].ref)}
 
 

@@ -96,6 +96,7 @@ from pipeline.core.checks import (
 from pipeline.core.drafters import (
     drafter_kind,
     load_drafter_dataset,
+    refuse_untrained,
     write_drafter_dataset,
     written_summary,
 )
@@ -549,6 +550,7 @@ def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> Non
         if ds is not None:
             check_same_target(ds, ctx.target_loader.identity)
     kind = drafter_kind(source)
+    refuse_untrained(kind, f"opd (training {source.ref} on replays)")
     try:
         require(drafter_class(kind), TrainableDrafter, "be trained on replays")
     except ValueError as e:

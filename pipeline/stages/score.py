@@ -94,7 +94,7 @@ from pipeline.core.checks import (
     check_same_target,
 )
 from pipeline.core.config import DraftTree, StrictConfig, optional_field
-from pipeline.core.drafters import drafter_kind, load_drafter_dataset
+from pipeline.core.drafters import drafter_kind, load_drafter_dataset, refuse_untrained
 from pipeline.core.featurize import FeatureSource, is_online
 from pipeline.core.rollouts import shard_files, teacher_file
 from pipeline.core.runner import RunContext
@@ -432,6 +432,7 @@ def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> Non
     """The rollouts come from this target and from the drafter (and kind) that replays them."""
     rollouts, drafter = inputs["rollouts"], inputs["drafter"]
     check_same_target(rollouts, ctx.target_loader.identity)
+    refuse_untrained(drafter_kind(drafter), f"score (replaying {drafter.ref}'s drafts)")
     check_drafter_kind(rollouts, drafter_kind(drafter), str(drafter.ref))
     check_made_by(rollouts, drafter)
     if cfg.source == "logged":

@@ -15,7 +15,10 @@ them), and the summary's `online_features` names the sequences they came from (a
 dataset's trajectories, or the rollouts) and counts the forwards. A resumed run
 recomputes the same numbers, so resume stays exact.
 Produces `sft`, a drafter dataset (layout in `pipeline.core.drafters`; the draft-vocab map is
-copied unchanged from the features).
+copied unchanged from the features). A kind that needs no training (prompt lookup: no
+`TrainableDrafter`) is written as built, with no step and `untrained: true` in its summary
+(`write_untrained`), so evaluate, rollout, tune and export take it as any drafter; the sft
+chain featurizes nothing for it (its features are the tokens and the map only).
 
 Each step unrolls the drafter `ttt_steps` times over every row of a padded batch (step k feeds
 back its own hidden state and reads ground-truth tokens) and minimises
@@ -55,6 +58,7 @@ from pipeline.core.drafters import (
     check_continued_drafter,
     check_drafter_settings,
     load_drafter_dataset,
+    needs_training,
     write_drafter_dataset,
     written_summary,
 )
@@ -209,6 +213,14 @@ def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> Non
     target (a DFlash block longer than its positions would only fail, or exhaust memory,
     once training allocates it)."""
     wanted = cfg.drafter or default_drafter()
+    if not needs_training(wanted.kind):
+        if "drafter" in inputs:
+            raise OpdError(
+                f"a {wanted.kind} drafter needs no training, so there is nothing to continue: "
+                "drop --input drafter"
+            )
+        check_drafter_settings(wanted, ctx.target_loader.target)
+        return
     try:
         require(drafter_class(wanted.kind), TrainableDrafter, "be trained")
     except ValueError as e:
@@ -335,6 +347,31 @@ def _summary(
     } | {k: run_summary[k] for k in SUMMARY_KEYS}
 
 
+def write_untrained(
+    cfg: Config, feats: Dataset, output: DatasetWriter, ctx: RunContext
+) -> dict[str, Any]:
+    """A kind that needs no training (prompt lookup): its drafter as built from the settings,
+    written with no training step and recorded as such (`untrained`), so evaluate, rollout,
+    tune and export read it as any drafter dataset."""
+    drafter = cfg.drafter or default_drafter()
+    target = ctx.target_loader.target
+    vocab_tensors = vocab_of(feats)
+    vocab = DraftVocab(vocab_tensors["d2t"], vocab_tensors["t2d"])
+    built = drafter_class(drafter.kind).new(target, vocab, drafter.settings())
+    summary = {
+        "features": str(feats.ref),
+        "untrained": True,
+        "objective": None,
+        "draft_vocab_size": built.vocab.draft_vocab_size,
+        "target": ctx.target_loader.identity,
+        "steps": 0,
+    }
+    log.info(
+        "[sft] a %s drafter needs no training: %s holds it untrained", drafter.kind, output.ref
+    )
+    return write_drafter_dataset(output, built, feats, [], METRICS_SCHEMA, summary)
+
+
 def run(
     cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
@@ -345,6 +382,11 @@ def run(
         check_same_target(ds, ctx.target_loader.identity)
     rank, world_size = training.resolve_ranks(rank, world_size)
     if (summary := written_summary(output)) is not None:
+        return summary
+    if not needs_training((cfg.drafter or default_drafter()).kind):
+        summary = write_untrained(cfg, feats, output, ctx) if rank == 0 else {}
+        if world_size > 1 and rank == 0:
+            output.wait_for_ranks()
         return summary
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)

@@ -4,6 +4,8 @@ reach / acceptance numbers the stages write agree with the loop's."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -78,6 +80,65 @@ def test_accept_chain_samples_the_target_law():
     torch.testing.assert_close(verdict.accept_prob[:, 0], (p[drafts] / q[drafts]).clamp(max=1))
     rate = float((verdict.accepted == 1).double().mean())
     assert abs(rate - float(torch.minimum(p, q).sum())) < 0.01
+
+
+def _pearson(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic of counts [C] against expected counts [C] (cells expected below 5
+    pooled into one) and its 1e-6 critical value (Wilson-Hilferty's chi-square quantile)."""
+    big = expected >= 5
+    stat = ((counts[big] - expected[big]) ** 2 / expected[big]).sum()
+    rest = expected[~big].sum()
+    if rest > 0:
+        stat += (counts[~big].sum() - rest) ** 2 / rest
+    df = int(big.sum()) - (0 if rest > 0 else 1)
+    critical = df * (1 - 2 / (9 * df) + 4.753 * math.sqrt(2 / (9 * df))) ** 3
+    return float(stat), critical
+
+
+def _point_mass_chain(p: torch.Tensor, draft: int, n: int, seed: int):
+    """n rows drafting the one token `draft` as a point mass (q = 1, no `dists`: a lookup's
+    draft) against the target law p [V] at T=1; returns each row's first emitted token."""
+    proposal = Proposal(
+        tokens=torch.full((n, 1), draft),
+        q=torch.ones(n, 1),
+        confidence=torch.ones(n, 1),
+        forwards=0,
+    )
+    logits = p.log().expand(n, 2, -1)  # [n, K+1, V]: the draft's position, then the bonus
+    budget = torch.ones(n, dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    verdict = verify.accept_chain(proposal, logits, budget, torch.tensor([]), 1.0, g)
+    return torch.where(verdict.accepted == 1, draft, verdict.next)
+
+
+# p(draft) = 0.5 under q(draft) = 1: accepted half the time, and a rejection must emit a
+# sample of p without the draft, so the draft is the first token with probability 0.5.
+POINT_MASS_P = torch.tensor([0.1, 0.05, 0.5, 0.15, 0.12, 0.08])
+
+
+def test_a_point_mass_chain_at_t1_samples_the_target_law():
+    n = 20_000
+    first = _point_mass_chain(POINT_MASS_P, 2, n, seed=0)
+    counts = torch.bincount(first, minlength=V).double()
+    stat, critical = _pearson(counts, POINT_MASS_P.double() * n)
+    assert stat < critical, (stat, critical, (counts / n).tolist())
+    assert abs(float(counts[2]) / n - 0.5) < 0.02
+
+
+def _resample_from_p(p, proposal, accepted, block_len, gen):  # the residual ignored
+    rows = torch.arange(len(p))
+    return torch.multinomial(p[rows, accepted], 1, generator=gen)[:, 0]
+
+
+def test_the_point_mass_law_test_catches_a_correction_sampled_from_p(monkeypatch):
+    # the verifier before the fix: the draft comes first with 0.5 + 0.5 x 0.5 = 0.75
+    monkeypatch.setattr(verify, "correction", _resample_from_p)
+    n = 20_000
+    first = _point_mass_chain(POINT_MASS_P, 2, n, seed=0)
+    counts = torch.bincount(first, minlength=V).double()
+    stat, critical = _pearson(counts, POINT_MASS_P.double() * n)
+    assert stat > critical
+    assert abs(float(counts[2]) / n - 0.75) < 0.02
 
 
 def test_greedy_chain_accepts_while_draft_is_argmax():

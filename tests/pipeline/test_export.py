@@ -531,6 +531,7 @@ def test_every_vllm_setting_the_serving_hints_name_is_one_the_installed_vllm_has
     import typing
 
     from models.drafters import KINDS
+    from models.vocab import DraftVocab
     from pipeline.core.export import vllm_command
 
     fields = {f.name for f in dataclasses.fields(config.SpeculativeConfig)}
@@ -538,8 +539,10 @@ def test_every_vllm_setting_the_serving_hints_name_is_one_the_installed_vllm_has
         m for arg in typing.get_args(config.SpeculativeConfig.__dataclass_fields__["method"].type)
         for m in typing.get_args(arg)
     }  # fmt: skip
+    target = TargetLoader(load_config("tiny").target).target
     for spec in KINDS.values():
-        command = vllm_command("target", tmp_path, 3, spec.serve_method)
+        drafter = spec.drafter.new(target, DraftVocab.full(target.vocab_size), {})
+        command = vllm_command("target", drafter.speculative_config(tmp_path, 3))
         served = json.loads(shlex.split(command)[-1])
         assert set(served) <= fields, (spec.name, set(served) - fields)
         assert served["method"] in methods, spec.name

@@ -142,6 +142,10 @@ def test_opd_vs_sft_writes_a_report_dataset(opd_vs_sft):
     assert "## Acceptance by draft offset" in md and "alpha_1" in md
     assert f"{result['opd_over_sft_continued']:.3f}" in md
     assert report.meta["tau_opd"] == result["tau_opd"]
+    # the training-free baseline beside the arms, on the same prompts at each temperature
+    free = result["warmup"]["free_baseline"]
+    assert set(free) == {"0.0", "1.0"} and all(f["tau"] >= 1.0 for f in free.values())
+    assert f"(needs no training) on the same prompts: τ {free['0.0']['tau']:.3f} at T=0" in md
 
 
 def test_opd_vs_sft_cli_prints_the_cached_result(opd_vs_sft):
