@@ -9,7 +9,7 @@ numbers: τ (mean of accepted + 1 per verify step, the EAGLE/vLLM convention), �
 speculative decoding against plain target decoding timed in the same run on the same prompts.
 At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`).
 
-With `drafting.tree` set it decodes on EAGLE-2 dynamic trees (models/eagle3/propose.py; the one loop in models/decoding.py verifies them):
+With `drafting.tree` set it decodes on EAGLE-2 dynamic trees (models/chain_propose.py; the one loop in models/decoding.py verifies them):
 `drafts.parquet` then has one row per tree node (plus node, parent and confidence; offset is
 the node's depth), `steps.parquet` the row's depth budget, and α is per depth (a step that
 reached depth d-1 accepting a node at depth d), since siblings make per-draft rates moot.
