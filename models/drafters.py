@@ -17,11 +17,11 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from models import dflash, eagle3, medusa
+from models import dflash, eagle3, medusa, mtp
 from models.drafter import Drafter
 from models.kind import KindSpec
 
-KINDS: dict[str, KindSpec] = {spec.name: spec for spec in (eagle3.SPEC, dflash.SPEC, medusa.SPEC)}
+KINDS: dict[str, KindSpec] = {s.name: s for s in (eagle3.SPEC, dflash.SPEC, medusa.SPEC, mtp.SPEC)}
 DEFAULT_KIND = "eagle3"  # what `drafter.kind` unset means, and what a kind-less record holds
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "model.safetensors"
