@@ -62,7 +62,7 @@ class ChainShape:
 
 @dataclass(frozen=True)
 class TreeShape:
-    """An EAGLE-2 dynamic draft tree (see models/eagle3/propose.py)."""
+    """An EAGLE-2 dynamic draft tree (see models/chain_propose.py)."""
 
     depth: int
     top_k: int

@@ -17,12 +17,12 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from models import dflash, eagle3, medusa, ngram
+from models import dflash, eagle3, medusa, mtp, ngram
 from models.drafter import Drafter
 from models.kind import KindSpec
 
 KINDS: dict[str, KindSpec] = {
-    spec.name: spec for spec in (eagle3.SPEC, dflash.SPEC, medusa.SPEC, ngram.SPEC)
+    spec.name: spec for spec in (eagle3.SPEC, dflash.SPEC, medusa.SPEC, ngram.SPEC, mtp.SPEC)
 }
 DEFAULT_KIND = "eagle3"  # what `drafter.kind` unset means, and what a kind-less record holds
 CONFIG_FILE = "drafter_config.json"

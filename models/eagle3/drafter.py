@@ -1,5 +1,6 @@
 """EAGLE-3 as a drafter kind: the network of models/eagle3/model.py behind the `Drafter`
-interface (its proposals in propose.py, its training forwards in train.py)."""
+interface (its proposals, replays and training forwards are every chain drafter's,
+models/chain.py; its SFT objectives in train.py)."""
 
 from __future__ import annotations
 
@@ -10,38 +11,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.acceptance import AcceptanceStats
+from models.chain import ChainDrafter, Unrolled
 from models.drafter import (
     ExportTarget,
     FrozenEmbeddingDrafter,
-    Proposer,
     ServableDrafter,
-    Shape,
     TrainableDrafter,
-    TreeShape,
 )
 from models.eagle3.export import export_eagle3, export_speculators, read_eagle3_export
 from models.eagle3.model import Eagle3Config, Eagle3Model
-from models.eagle3.propose import Eagle3Proposer, replay_drafts
-from models.eagle3.train import (
-    Unrolled,
-    objective_loss,
-    replay_logits,
-    rollout_ce_loss,
-    ttt_acceptance,
-    unrolled,
-)
+from models.eagle3.train import objective_loss
 from models.export_format import ExportError
 from models.vocab import DraftVocab
 
 
-class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter, TrainableDrafter, ServableDrafter):
-    # The training forwards are train.py's and propose.py's functions, the drafter first.
-    replay = replay_drafts
-    unroll = unrolled
-    replay_logits = staticmethod(replay_logits)
-    rollout_ce_loss = staticmethod(rollout_ce_loss)
-
+class Eagle3Drafter(
+    Eagle3Model, ChainDrafter, FrozenEmbeddingDrafter, TrainableDrafter, ServableDrafter
+):
     # -- building -------------------------------------------------------------------------
 
     @classmethod
@@ -87,17 +73,6 @@ class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter, TrainableDrafter, Serva
                 )
         self.check_embedding(target)
 
-    # -- decoding -------------------------------------------------------------------------
-
-    def proposer(
-        self, shape: Shape, temperature: float, generator: torch.Generator, timer: Any
-    ) -> Proposer:
-        if isinstance(shape, TreeShape) and shape.top_k > self.config.draft_vocab_size:
-            raise ValueError(
-                f"tree top_k ({shape.top_k}) exceeds the draft vocab ({self.config.draft_vocab_size})"
-            )
-        return Eagle3Proposer(self, shape, temperature, generator, timer)
-
     # -- training -------------------------------------------------------------------------
 
     def sft_loss(
@@ -110,11 +85,6 @@ class Eagle3Drafter(Eagle3Model, FrozenEmbeddingDrafter, TrainableDrafter, Serva
         objective: str | None = None,
     ) -> Tensor:
         return objective_loss(out, teacher, last_hidden, decay=decay, objective=objective)
-
-    def acceptance(
-        self, out: Unrolled, target_logits: Tensor, *, chain_k: int, expected: bool = True
-    ) -> AcceptanceStats:
-        return ttt_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
 
     # -- serving --------------------------------------------------------------------------
 

@@ -1,11 +1,6 @@
-"""The EAGLE-3 network: config, one decoder layer over fused low/mid/high target features, and
-training-time test (the unrolled forward SFT and OPD train through).
-
-Row convention (shared by the proposer, the replays and every training unroll): drafter row t
-reads the target feature f_t (sequence position t) and token x_{t+1}, sits at rope position t
-and predicts x_{t+2}. A chain continues row t at step k >= 1 with position t+k, its own previous
-hidden_out and token x_{t+k+1}, and predicts x_{t+k+2}. The teacher for x_j is the target's
-distribution at position j-1.
+"""The EAGLE-3 network: config and one decoder layer over fused low/mid/high target features,
+a `models.chain.ChainNetwork` (its row convention, and the training-time test SFT and OPD train
+through, are models/chain.py's): row t reads the fused feature f_t and token x_{t+1}.
 """
 
 from __future__ import annotations
@@ -15,16 +10,16 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.chain import ChainAttention, TTTCache
+from models.features import Features
 from models.kv import KVCache
 from models.layers import (
     SUPPORTED_ROPE_TYPES,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
-    apply_rope,
     rope_parameters_of,
 )
 from models.target import check_aux_layer_ids, default_aux_layer_ids
@@ -150,90 +145,6 @@ class Eagle3Config:
         return cls(**data)
 
 
-class TTTCache:
-    """Keys of a training-time-test unroll: step-0 keys of all rows, then each row's own chain keys.
-
-    Step k's query at row t sees step-0 keys at rows <= t (causal) and the step 1..k keys of row t
-    only: exactly the cache a chain drafting from row t would hold. Chain keys are kept per row
-    ([B, n_kv, T, k, d]) so attention costs T*T + T*k scores, never a dense [T*k, T*k] mask.
-    """
-
-    def __init__(self) -> None:
-        self.context: tuple[Tensor, Tensor] | None = None
-        self.chain_keys: list[Tensor] = []
-        self.chain_values: list[Tensor] = []
-
-
-def _ttt_attention(q: Tensor, k: Tensor, v: Tensor, cache: TTTCache) -> Tensor:
-    """q [B, h, T, d], k/v [B, n_kv, T, d] -> [B, h, T, d]; adds this step's keys to `cache`."""
-    groups = q.shape[1] // k.shape[1]
-    if cache.context is None:
-        cache.context = (k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
-    cache.chain_keys.append(k)
-    cache.chain_values.append(v)
-    T = q.shape[2]
-    scale = q.shape[-1] ** -0.5
-    ctx_k = cache.context[0].repeat_interleave(groups, dim=1)  # [B, h, T, d]
-    ctx_v = cache.context[1].repeat_interleave(groups, dim=1)
-    own_k = torch.stack(cache.chain_keys, dim=3).repeat_interleave(groups, dim=1)  # [B, h, T, k, d]
-    own_v = torch.stack(cache.chain_values, dim=3).repeat_interleave(groups, dim=1)
-    ctx_scores = (q @ ctx_k.transpose(-1, -2)) * scale  # [B, h, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    ctx_scores = ctx_scores.masked_fill(~causal, float("-inf"))
-    own_scores = (q.unsqueeze(3) * own_k).sum(-1) * scale  # [B, h, T, k]
-    probs = torch.cat([ctx_scores, own_scores], dim=-1).float().softmax(-1).to(q.dtype)
-    return probs[..., :T] @ ctx_v + (probs[..., T:].unsqueeze(-1) * own_v).sum(3)
-
-
-class Eagle3Attention(nn.Module):
-    """Llama attention (GQA, rope) whose q/k/v read the 2H-wide [embedding; hidden] input."""
-
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        H, d = config.hidden_size, config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = d
-        self.q_proj = nn.Linear(2 * H, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        attention_mask: Tensor | None,
-        cache: KVCache | TTTCache | None,
-    ) -> Tensor:
-        B, T, _ = x.shape  # [B, T, 2H]
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
-        # k, v: [B, kv, T, d]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(cache, TTTCache):
-            out = _ttt_attention(q, k, v, cache)
-        else:
-            past = cache.length if cache is not None else 0
-            if cache is not None:
-                k, v = cache.append(k, v)  # [B, kv, S, d]
-            if attention_mask is None:
-                # Plain causal over cache + new: new row i sits at key index past + i.
-                S = past + T
-                attention_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(
-                    diagonal=past
-                )
-            else:
-                attention_mask = attention_mask[:, None]  # [B, 1, T, S]
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
-            )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
-
-
 class Eagle3DecoderLayer(nn.Module):
     """vLLM's llama_eagle3 first layer with norm_before_residual=False: the residual is the raw hidden."""
 
@@ -242,7 +153,14 @@ class Eagle3DecoderLayer(nn.Module):
         H, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
-        self.self_attn = Eagle3Attention(config)
+        # q/k/v read the 2H-wide [embedding; hidden] input
+        self.self_attn = ChainAttention(
+            2 * H,
+            H,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
@@ -307,6 +225,25 @@ class Eagle3Model(nn.Module):
             )
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
+    def read_features(self, features: Features) -> Tensor:
+        """The low/mid/high states [..., 3*H_t] it reads (a `ChainNetwork`)."""
+        return features.aux
+
+    start_hidden = fuse  # step 0's hidden: the fused features
+
+    def chain_step(
+        self,
+        step: int,
+        input_ids: Tensor,
+        hidden: Tensor,
+        position_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        cache: KVCache | TTTCache | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Every step is the one layer's forward."""
+        return self(input_ids, hidden, position_ids, attention_mask=attention_mask, cache=cache)
+
     def forward(
         self,
         input_ids: Tensor,
@@ -357,78 +294,3 @@ class Eagle3Model(nn.Module):
                 f"attention_mask must be bool [B={B}, T={T}, S={S}] (S = cached keys + new rows), got "
                 f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
             )
-
-
-def shift_left(x: Tensor, n: int, fill: float | bool = 0) -> Tensor:
-    """out[:, t] = x[:, t + n], `fill` past the end. Used to align step-k rows with tokens and teachers."""
-    if n == 0:
-        return x
-    out = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
-
-
-@dataclass
-class TTTStep:
-    """One unrolled step k: row t predicts x_{t+k+2}; its teacher is the target at position t+k+1."""
-
-    logits: Tensor  # [B, T, Vd] fp32
-    valid: Tensor  # [B, T] bool
-    hidden_out: Tensor  # [B, T, H]
-
-
-def ttt_unroll(
-    drafter: Eagle3Model,
-    aux_hidden: Tensor,
-    input_ids: Tensor,
-    *,
-    steps: int = 7,
-    step_tokens: Sequence[Tensor | None] | None = None,
-    loss_mask: Tensor | None = None,
-) -> list[TTTStep]:
-    """Training-time test: run the drafter `steps` times over every row, feeding back its own hidden.
-
-    aux_hidden [B, T, 3*H_t] (target features at positions 0..T-1), input_ids [B, T].
-    Step 0 row t reads (fuse(aux)_t, x_{t+1}); step k >= 1 reads step k-1's hidden_out of row t and
-    token `step_tokens[k][:, t]` if given (drafter-sampled, OPD) else ground truth x_{t+k+1} (SFT).
-    `step_tokens[0]` must be None: step 0 always reads the committed token.
-    Row t at step k is valid iff x_{t+k+2} exists and, when `loss_mask` [B, T] is given, it is set there.
-    Teachers align with `shift_left(teacher, k + 1)`.
-    """
-    if input_ids.dim() != 2 or aux_hidden.shape[:2] != input_ids.shape:
-        raise ValueError(
-            f"aux_hidden {tuple(aux_hidden.shape)} and input_ids {tuple(input_ids.shape)} must share [B, T]"
-        )
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if step_tokens is not None:
-        if len(step_tokens) != steps:
-            raise ValueError(
-                f"step_tokens has {len(step_tokens)} entries, expected one per step ({steps})"
-            )
-        if step_tokens[0] is not None:
-            raise ValueError(
-                "step_tokens[0] must be None: step 0 reads the committed token x_{t+1}"
-            )
-    if loss_mask is not None and (
-        loss_mask.shape != input_ids.shape or loss_mask.dtype != torch.bool
-    ):
-        raise ValueError(
-            f"loss_mask must be bool {tuple(input_ids.shape)}, got {loss_mask.dtype} {tuple(loss_mask.shape)}"
-        )
-
-    B, T = input_ids.shape
-    positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    keep = loss_mask if loss_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    cache = TTTCache()
-    hidden = drafter.fuse(aux_hidden)  # [B, T, H]
-    out = []
-    for k in range(steps):
-        given = step_tokens[k] if step_tokens is not None else None
-        tokens = given if given is not None else shift_left(input_ids, k + 1)
-        logits, hidden = drafter(tokens, hidden, positions + k, cache=cache)
-        out.append(
-            TTTStep(logits=logits, valid=shift_left(keep, k + 2, fill=False), hidden_out=hidden)
-        )
-    return out

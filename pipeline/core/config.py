@@ -76,7 +76,7 @@ def is_lossy(meta: dict[str, Any]) -> bool:
 
 
 class DraftTree(StrictConfig):
-    """An EAGLE-2 dynamic draft tree (models/eagle3/propose.py). The defaults are EAGLE-2's
+    """An EAGLE-2 dynamic draft tree (models/chain_propose.py). The defaults are EAGLE-2's
     (its EaModel: total_token=60, depth=5, top_k=10)."""
 
     depth: int = Field(5, ge=1)

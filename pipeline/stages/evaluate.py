@@ -18,7 +18,7 @@ the decoding settings, never on the drafter, so they are cached in
 `<root>/_baseline/<key>.json` (keyed by those and by this machine, as wall-clock numbers
 belong to it): the evaluations of one run's sft and opd drafters decode it once.
 
-With `drafting.tree` set it decodes on EAGLE-2 dynamic trees (models/eagle3/propose.py; the one loop in models/decoding.py verifies them):
+With `drafting.tree` set it decodes on EAGLE-2 dynamic trees (models/chain_propose.py; the one loop in models/decoding.py verifies them):
 `drafts.parquet` then has one row per tree node (plus node, parent and confidence; offset is
 the node's depth), `steps.parquet` the row's depth budget, and α is per depth (a step that
 reached depth d-1 accepting a node at depth d), since siblings make per-draft rates moot.

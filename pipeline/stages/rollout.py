@@ -37,7 +37,7 @@ the decoder computed it when drafting. Acceptance by offset over the whole log i
       .filter(pl.col("outcome") != "not_reached")
       .group_by("offset").agg((pl.col("outcome") == "accepted").mean()).sort("offset")
 
-With `drafting.tree` set, rollout decodes on EAGLE-2 dynamic trees (models/eagle3/propose.py; the one loop in models/decoding.py verifies them)
+With `drafting.tree` set, rollout decodes on EAGLE-2 dynamic trees (models/chain_propose.py; the one loop in models/decoding.py verifies them)
 and the rejection log has one row per tree node (TREE_REJECTIONS_SCHEMA: the chain columns plus
 `node` and `parent`, 0 = the root). Per verify step it holds the accepted path (outcome
 accepted, one node per depth: offset = depth, position = anchor + depth - 1) and the rejected

@@ -11,10 +11,11 @@ import torch
 
 import models.decoding as spec
 import models.verify as verify
+from models.chain import shift_left, ttt_unroll
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.drafter import ChainShape, TreeShape
 from models.eagle3.drafter import Eagle3Drafter
-from models.eagle3.model import Eagle3Config, shift_left, ttt_unroll
+from models.eagle3.model import Eagle3Config
 from models.target import Target, load_target
 from models.vocab import DraftVocab
 from tests.models.conftest import tiny_target

@@ -31,8 +31,9 @@ def test_every_kind_describes_itself_and_implements_its_roles():
         assert spec.name == kind and cls.spec is spec and issubclass(cls, Drafter)
         assert spec.settings().kind == kind  # its settings model is tagged with its name
         assert not getattr(cls, "__abstractmethods__", None), cls.__abstractmethods__
-        # the built-in kinds train; a kind serves exactly when it names export formats
-        assert issubclass(cls, TrainableDrafter)
+        # the built-in kinds train but the training-free baseline; a kind serves exactly
+        # when it names export formats
+        assert issubclass(cls, TrainableDrafter) != spec.baseline, kind
         servable = issubclass(cls, ServableDrafter)
         assert servable == bool(spec.export_formats) == bool(spec.serve_method), kind
 

@@ -15,10 +15,10 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
+from models.chain import Unrolled, shift_left, ttt_acceptance, ttt_unroll
 from models.drafters import load_drafter, save_drafter
 from models.eagle3.drafter import Eagle3Drafter
-from models.eagle3.model import Eagle3Config, shift_left, ttt_unroll
-from models.eagle3.train import Unrolled, ttt_acceptance
+from models.eagle3.model import Eagle3Config
 from models.kv import KVCache
 from models.layers import rope_inv_freq
 from models.losses import acceptance_rate, teacher_draft_probs, ttt_loss

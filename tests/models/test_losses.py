@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.eagle3.model import shift_left
+from models.chain import shift_left
 from models.losses import (
     acceptance_rate,
     block_loss_error,

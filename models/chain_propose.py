@@ -1,4 +1,5 @@
-"""EAGLE-3's drafts for the decoding loop (K-chains and EAGLE-2 dynamic trees) and its replays.
+"""A chain network's drafts for the decoding loop (K-chains and EAGLE-2 dynamic trees) and its
+replays (EAGLE-3, MTP: the `models.chain.ChainNetwork`s).
 
 Every verify step starts with ONE drafter pass over the rows committed since the last step
 (target features from the last verify forward, or from the prefill); its last row yields the
@@ -18,7 +19,7 @@ The speculative keys of both are dropped again: the next step recomputes the com
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -31,17 +32,19 @@ from models.drafter import (
     TreeShape,
     confident_length,
 )
-from models.eagle3.model import Eagle3Model
 from models.features import Features, replay_inputs
 from models.kv import KVCache, extend_mask, trim_slots
 
+if TYPE_CHECKING:
+    from models.chain import ChainNetwork
 
-class Eagle3Proposer:
-    """Chains or trees from an EAGLE-3 drafter, with the drafter's own KV cache."""
+
+class ChainProposer:
+    """Chains or trees from a chain network, with the drafter's own KV cache."""
 
     def __init__(
         self,
-        drafter: Eagle3Model,
+        drafter: ChainNetwork,
         shape: Shape,
         temperature: float,
         generator: torch.Generator,
@@ -64,10 +67,10 @@ class Eagle3Proposer:
             self.valid = torch.zeros(len(rows.ids), 0, dtype=torch.bool, device=rows.ids.device)
             self.to_target = self.to_target.to(rows.ids.device)
         with self.timer("drafter"):
-            hidden = self.drafter.fuse(rows.aux)  # [B, W, H]
+            hidden = self.drafter.start_hidden(self.drafter.read_features(rows))  # [B, W, H]
             mask = extend_mask(self.valid, rows.valid)  # [B, W, S+W]
-            logits, hidden_out = self.drafter(
-                rows.ids, hidden, rows.positions, attention_mask=mask, cache=self.cache
+            logits, hidden_out = self.drafter.chain_step(
+                0, rows.ids, hidden, rows.positions, attention_mask=mask, cache=self.cache
             )
         self.valid = torch.cat([self.valid, rows.valid], dim=1)
         last = rows.valid.sum(1) - 1  # [B]
@@ -97,7 +100,8 @@ class Eagle3Proposer:
         for i in range(k):
             if i > 0:
                 with self.timer("drafter"):
-                    logits, hidden_out = self.drafter(
+                    logits, hidden_out = self.drafter.chain_step(
+                        i,
                         drafts[:, i - 1 : i],
                         hidden_out,
                         position + i,
@@ -169,7 +173,8 @@ class Eagle3Proposer:
                 [valid[:, None].expand(-1, k, -1), front_anc, eye.expand(batch, -1, -1)], dim=2
             )  # [B, k, S + (d-2)k + k]
             with self.timer("drafter"):
-                logits, hidden = self.drafter(
+                logits, hidden = self.drafter.chain_step(
+                    d - 1,
                     front_tok,
                     front_hidden,
                     (root_pos + d - 1).expand(-1, k),
@@ -242,8 +247,8 @@ def _expand(logits: Tensor, temperature: float, k: int) -> tuple[Tensor, Tensor,
 
 
 @torch.no_grad()
-def replay_drafts(
-    drafter: Eagle3Model,
+def replay_chain(
+    drafter: ChainNetwork,
     features: Features,
     anchors: Tensor,
     k: int,
@@ -253,23 +258,26 @@ def replay_drafts(
 ) -> Replayed:
     """Draft K tokens from each anchor e of one sequence, as the decoder would from prefix y<e.
 
-    features: ids [T], aux [T, 3H_t] (target features of the sequence); anchors [C] with
+    features: ids [T] and the states the network reads ([T, F]); anchors [C] with
     2 <= e <= T (repeat an anchor for several samples). One drafter pass runs the prefix rows
     0..max(e)-2; chain c starts at row e_c - 2 and each later step runs all C chains as one
     forward whose mask lets chain c see the prefix rows <= e_c - 2 and its own earlier chain keys.
     T=0 drafts the argmax, T>0 samples q = softmax(logits / T) with `generator`.
     """
-    device = drafter.fc.weight.device
-    ids, aux_hidden, anchors = replay_inputs(features, anchors, k, device)
+    device = drafter.vocab.d2t.device
+    ids, _, anchors = replay_inputs(features, anchors, k, device)
+    states = drafter.read_features(features)  # [T, F]
     C = anchors.numel()
     vocab = drafter.vocab
 
     rows = anchors - 2  # [C]
     width = int(rows.max()) + 1
     cache = KVCache()
-    hidden = drafter.fuse(aux_hidden[:width].to(device)[None])  # [1, L, H]
+    hidden = drafter.start_hidden(states[:width].to(device)[None])  # [1, L, H]
     positions = torch.arange(width, device=device)[None]  # [1, L]
-    logits, hidden_out = drafter(ids[None, 1 : width + 1], hidden, positions, cache=cache)
+    logits, hidden_out = drafter.chain_step(
+        0, ids[None, 1 : width + 1], hidden, positions, cache=cache
+    )
     logits, hidden_out = logits[0, rows], hidden_out[:, rows]  # [C, Vd], [1, C, H]
     prefix_visible = torch.arange(width, device=device)[None] <= rows[:, None]  # [C, L]
     own = torch.eye(C, dtype=torch.bool, device=device)  # [C, C]: a chain sees only its own keys
@@ -278,8 +286,8 @@ def replay_drafts(
     for j in range(k):
         if j > 0:
             mask = torch.cat([prefix_visible, own.repeat(1, j)], dim=1)[None]  # [1, C, L + C*j]
-            logits, hidden_out = drafter(
-                tokens[-1][None], hidden_out, (rows + j)[None], attention_mask=mask, cache=cache
+            logits, hidden_out = drafter.chain_step(
+                j, tokens[-1][None], hidden_out, (rows + j)[None], attention_mask=mask, cache=cache
             )
             logits = logits[0]  # [C, Vd]
         log_q = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # [C, Vd]

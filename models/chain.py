@@ -1,0 +1,366 @@
+"""What chain drafters share in training: a network that drafts one token per forward, reading
+its own previous hidden state and draft (EAGLE-3, MTP), trained with training-time test (TTT),
+so the teacher-forced unroll is the chain decoding drafts (models/chain_propose.py).
+
+Row convention (shared by the proposer, the replays and every training unroll): row t reads
+the target's states at sequence position t (turned into a hidden state by the network's
+`start_hidden`) and token x_{t+1}, sits at rope position t and predicts x_{t+2}. A chain
+continues row t at step k >= 1 with position t+k, its own previous hidden_out and token
+x_{t+k+1}, and predicts x_{t+k+2}. The teacher for x_j is the target's distribution at
+position j-1.
+
+An unroll's outputs are per step k: logits [B, T, Vd] (row t drafts x_{t+k+2}), valid [B, T]
+and hidden_out [B, T, H]; the teacher of step k's row t is the target's distribution at
+position t+k+1. The block drafters' counterpart is models/blocks.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.acceptance import AcceptanceStats
+from models.chain_propose import ChainProposer, replay_chain
+from models.drafter import Proposer, Shape, TreeShape
+from models.features import Features
+from models.kv import KVCache
+from models.layers import apply_rope
+from models.losses import acceptance_rate, ce_rollout_loss, sft_loss, teacher_draft_probs
+from models.vocab import DraftVocab
+
+
+class ChainNetwork(Protocol):
+    """A network that drafts a chain one forward per draft (module docstring)."""
+
+    @property
+    def vocab(self) -> DraftVocab: ...
+
+    def read_features(self, features: Features) -> Tensor:
+        """The target states it reads at each row of `features`: [..., F]."""
+        ...
+
+    def start_hidden(self, states: Tensor) -> Tensor:
+        """Target states [..., F] -> the hidden state [..., H] step 0 reads."""
+        ...
+
+    def chain_step(
+        self,
+        step: int,
+        input_ids: Tensor,
+        hidden: Tensor,
+        position_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        cache: KVCache | TTTCache | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Draft step `step` (0: the rows that read the target's states) over input_ids [B, T],
+        hidden [B, T, H], position_ids [B, T]; `attention_mask` bool [B, T, S] (S = cached keys
+        + T; None: causal) -> (logits [B, T, Vd] fp32, hidden_out [B, T, H])."""
+        ...
+
+
+def shift_left(x: Tensor, n: int, fill: float | bool = 0) -> Tensor:
+    """out[:, t] = x[:, t + n], `fill` past the end. Used to align step-k rows with tokens and teachers."""
+    if n == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+class TTTCache:
+    """Keys of a training-time-test unroll: step-0 keys of all rows, then each row's own chain keys.
+
+    Step k's query at row t sees step-0 keys at rows <= t (causal) and the step 1..k keys of row t
+    only: exactly the cache a chain drafting from row t would hold. Chain keys are kept per row
+    ([B, n_kv, T, k, d]) so attention costs T*T + T*k scores, never a dense [T*k, T*k] mask.
+    """
+
+    def __init__(self) -> None:
+        self.context: tuple[Tensor, Tensor] | None = None
+        self.chain_keys: list[Tensor] = []
+        self.chain_values: list[Tensor] = []
+
+
+def ttt_attention(q: Tensor, k: Tensor, v: Tensor, cache: TTTCache) -> Tensor:
+    """q [B, h, T, d], k/v [B, n_kv, T, d] -> [B, h, T, d]; adds this step's keys to `cache`."""
+    groups = q.shape[1] // k.shape[1]
+    if cache.context is None:
+        cache.context = (k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+    cache.chain_keys.append(k)
+    cache.chain_values.append(v)
+    T = q.shape[2]
+    scale = q.shape[-1] ** -0.5
+    ctx_k = cache.context[0].repeat_interleave(groups, dim=1)  # [B, h, T, d]
+    ctx_v = cache.context[1].repeat_interleave(groups, dim=1)
+    own_k = torch.stack(cache.chain_keys, dim=3).repeat_interleave(groups, dim=1)  # [B, h, T, k, d]
+    own_v = torch.stack(cache.chain_values, dim=3).repeat_interleave(groups, dim=1)
+    ctx_scores = (q @ ctx_k.transpose(-1, -2)) * scale  # [B, h, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    ctx_scores = ctx_scores.masked_fill(~causal, float("-inf"))
+    own_scores = (q.unsqueeze(3) * own_k).sum(-1) * scale  # [B, h, T, k]
+    probs = torch.cat([ctx_scores, own_scores], dim=-1).float().softmax(-1).to(q.dtype)
+    return probs[..., :T] @ ctx_v + (probs[..., T:].unsqueeze(-1) * own_v).sum(3)
+
+
+class ChainAttention(nn.Module):
+    """Llama attention (GQA, rope) of a chain network's layer, over its own KV cache (decoding:
+    committed rows, then each step's chain or tree keys under the caller's mask) or a
+    `TTTCache` (training); q/k/v read an `in_features`-wide input."""
+
+    def __init__(
+        self, in_features: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attention_mask: Tensor | None,
+        cache: KVCache | TTTCache | None,
+    ) -> Tensor:
+        B, T, _ = x.shape  # [B, T, in_features]
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
+        # k, v: [B, kv, T, d]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(cache, TTTCache):
+            out = ttt_attention(q, k, v, cache)
+        else:
+            past = cache.length if cache is not None else 0
+            if cache is not None:
+                k, v = cache.append(k, v)  # [B, kv, S, d]
+            if attention_mask is None:
+                # Plain causal over cache + new: new row i sits at key index past + i.
+                S = past + T
+                attention_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(
+                    diagonal=past
+                )
+            else:
+                attention_mask = attention_mask[:, None]  # [B, 1, T, S]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+@dataclass
+class TTTStep:
+    """One unrolled step k: row t predicts x_{t+k+2}; its teacher is the target at position t+k+1."""
+
+    logits: Tensor  # [B, T, Vd] fp32
+    valid: Tensor  # [B, T] bool
+    hidden_out: Tensor  # [B, T, H]
+
+
+def ttt_unroll(
+    network: ChainNetwork,
+    states: Tensor,
+    input_ids: Tensor,
+    *,
+    steps: int = 7,
+    step_tokens: Sequence[Tensor | None] | None = None,
+    loss_mask: Tensor | None = None,
+) -> list[TTTStep]:
+    """Training-time test: run the network `steps` times over every row, feeding back its own hidden.
+
+    states [B, T, F] (the target states it reads at positions 0..T-1), input_ids [B, T].
+    Step 0 row t reads (start_hidden(states)_t, x_{t+1}); step k >= 1 reads step k-1's hidden_out
+    of row t and token `step_tokens[k][:, t]` if given (drafter-sampled, OPD) else ground truth
+    x_{t+k+1} (SFT). `step_tokens[0]` must be None: step 0 always reads the committed token.
+    Row t at step k is valid iff x_{t+k+2} exists and, when `loss_mask` [B, T] is given, it is set there.
+    Teachers align with `shift_left(teacher, k + 1)`.
+    """
+    if input_ids.dim() != 2 or states.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"states {tuple(states.shape)} and input_ids {tuple(input_ids.shape)} must share [B, T]"
+        )
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if step_tokens is not None:
+        if len(step_tokens) != steps:
+            raise ValueError(
+                f"step_tokens has {len(step_tokens)} entries, expected one per step ({steps})"
+            )
+        if step_tokens[0] is not None:
+            raise ValueError(
+                "step_tokens[0] must be None: step 0 reads the committed token x_{t+1}"
+            )
+    if loss_mask is not None and (
+        loss_mask.shape != input_ids.shape or loss_mask.dtype != torch.bool
+    ):
+        raise ValueError(
+            f"loss_mask must be bool {tuple(input_ids.shape)}, got {loss_mask.dtype} {tuple(loss_mask.shape)}"
+        )
+
+    B, T = input_ids.shape
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    keep = loss_mask if loss_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    cache = TTTCache()
+    hidden = network.start_hidden(states)  # [B, T, H]
+    out = []
+    for k in range(steps):
+        given = step_tokens[k] if step_tokens is not None else None
+        tokens = given if given is not None else shift_left(input_ids, k + 1)
+        logits, hidden = network.chain_step(k, tokens, hidden, positions + k, cache=cache)
+        out.append(
+            TTTStep(logits=logits, valid=shift_left(keep, k + 2, fill=False), hidden_out=hidden)
+        )
+    return out
+
+
+@dataclass
+class Unrolled:
+    """One unroll's per-step outputs (module docstring)."""
+
+    logits: list[Tensor]  # [K] of [B, T, Vd]
+    valid: list[Tensor]  # [K] of [B, T] bool
+    hidden: list[Tensor]  # [K] of [B, T, H]
+
+
+def chain_unroll(
+    network: ChainNetwork,
+    features: Features,
+    loss_mask: Tensor | None,
+    steps: int,
+    replays: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> Unrolled:
+    """`ttt_unroll` over every row; with replays (item [N], anchor [N], tokens [N, K]) the row
+    e-2 of each anchor e reads the replayed drafts at steps >= 1 instead of ground truth, so
+    that row is exactly the chain the decoder drafted from the prefix y<e."""
+    input_ids = features.ids
+    step_tokens = None
+    if replays is not None:
+        item, anchor, tokens = replays
+        row = anchor - 2
+        step_tokens = [None]
+        for k in range(1, steps):
+            given = shift_left(input_ids, k + 1)  # [B, T] ground truth x_{t+k+1}
+            given[item, row] = tokens[:, k - 1]
+            step_tokens.append(given)
+    out = ttt_unroll(
+        network,
+        network.read_features(features),
+        input_ids,
+        steps=steps,
+        step_tokens=step_tokens,
+        loss_mask=loss_mask,
+    )
+    return Unrolled([s.logits for s in out], [s.valid for s in out], [s.hidden_out for s in out])
+
+
+def replay_logits(out: Unrolled, item: Tensor, anchor: Tensor) -> Tensor:
+    """The drafter's logits along each replay: step k at (item, anchor row) -> [N, K, Vd]."""
+    row = anchor - 2
+    return torch.stack([logits[item, row] for logits in out.logits], dim=1)
+
+
+def rollout_ce_loss(
+    out: Unrolled, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
+) -> Tensor:
+    """The TTT soft-CE on the replay unroll's rows that read ground truth (all but the anchors)."""
+    anchor_rows = torch.zeros(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
+    anchor_rows[item, anchor - 2] = True
+    return ce_rollout_loss(out.logits, out.valid, teacher, anchor_rows, decay)
+
+
+@torch.no_grad()
+def ttt_acceptance(
+    out: Unrolled,
+    target_logits: Tensor,
+    vocab: DraftVocab,
+    *,
+    chain_k: int,
+    expected: bool = True,
+) -> AcceptanceStats:
+    """AcceptanceStats of one unrolled batch; target_logits [B, T, V] at every position.
+    `expected` also computes sum_v min(p, q) at T=1 (one [B, T, V] softmax per step)."""
+    K = len(out.logits)
+    if not 1 <= chain_k <= K:
+        raise ValueError(f"chain_k must be in [1, {K}] (the unrolled steps), got {chain_k}")
+    B, T, _ = target_logits.shape
+    stats = AcceptanceStats.zeros(K, chain_k, target_logits.device)
+    target_choice = target_logits.argmax(-1)  # [B, T]
+    p_full = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False) if expected else None
+    chain_alive = torch.ones(B, T, dtype=torch.bool, device=target_logits.device)
+    chain_valid = torch.ones_like(chain_alive)
+    chain_len = torch.zeros(B, T, dtype=torch.float64, device=target_logits.device)
+    for k, (logits, valid) in enumerate(zip(out.logits, out.valid, strict=True)):
+        n = T - k - 1  # rows whose target position t+k+1 exists
+        hit = torch.zeros_like(valid)
+        if n > 0:
+            drafted = vocab.to_target(logits[:, :n].argmax(-1))  # [B, n]
+            hit[:, :n] = (drafted == target_choice[:, k + 1 :]) & valid[:, :n]
+            if p_full is not None:
+                q = logits[:, :n].float().softmax(-1)  # [B, n, Vd]
+                alpha = acceptance_rate(q, p_full[:, k + 1 :])  # [B, n]
+                stats.alpha_sum[k] = alpha[valid[:, :n]].double().sum()
+        stats.hits[k] = hit.sum()
+        stats.valid[k] = valid.sum()
+        if k < chain_k:
+            chain_valid &= valid
+            chain_alive &= hit
+            chain_len += chain_alive
+    stats.chain_rows = chain_valid.sum().double()
+    stats.chain_len = chain_len[chain_valid].sum()
+    return stats
+
+
+class ChainDrafter:
+    """The drafting and training roles of a `ChainNetwork` drafter (EAGLE-3, MTP), mixed in
+    before `TrainableDrafter`: K-chains and EAGLE-2 trees (models/chain_propose.py), replays,
+    the TTT unroll, its soft-CE (`sft.step_decay`^k per step), acceptance and Draft-OPD's
+    logits along replays. A kind overrides what it trains differently (`sft_loss`)."""
+
+    vocab: DraftVocab
+
+    def proposer(
+        self, shape: Shape, temperature: float, generator: torch.Generator, timer: Any
+    ) -> Proposer:
+        if isinstance(shape, TreeShape) and shape.top_k > self.vocab.draft_vocab_size:
+            raise ValueError(
+                f"tree top_k ({shape.top_k}) exceeds the draft vocab ({self.vocab.draft_vocab_size})"
+            )
+        return ChainProposer(self, shape, temperature, generator, timer)
+
+    replay = replay_chain
+    unroll = chain_unroll
+
+    def sft_loss(
+        self,
+        out: Unrolled,
+        teacher: Tensor,
+        last_hidden: Tensor,
+        *,
+        decay: float,
+        objective: str | None = None,
+    ) -> Tensor:
+        return sft_loss(out.logits, out.valid, teacher, decay)
+
+    def acceptance(
+        self, out: Unrolled, target_logits: Tensor, *, chain_k: int, expected: bool = True
+    ) -> AcceptanceStats:
+        return ttt_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
+
+    def replay_logits(self, out: Unrolled, item: Tensor, anchor: Tensor) -> Tensor:
+        return replay_logits(out, item, anchor)
+
+    def rollout_ce_loss(
+        self, out: Unrolled, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
+    ) -> Tensor:
+        return rollout_ce_loss(out, teacher, item, anchor, decay)

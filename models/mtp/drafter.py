@@ -1,0 +1,135 @@
+"""MTP as a drafter kind: the modules of models/mtp/model.py behind the `Drafter` interface.
+Its proposals (K-chains, EAGLE-2 trees), replays, training unroll, acceptance and Draft-OPD
+pieces are every chain drafter's (models/chain.py); its loss is DeepSeek-V3's per-depth mean
+(train.py). It is trained but not served: no vLLM format holds it losslessly beside a
+Llama/Qwen target (docs/drafters.md: MTP), so it is no `ServableDrafter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.chain import ChainDrafter, Unrolled
+from models.drafter import TrainableDrafter, check_tensor_set
+from models.mtp.model import MTPConfig, MTPModel
+from models.mtp.train import depth_mean_loss, depth_mean_rollout_loss
+from models.vocab import DraftVocab
+
+
+class MTPDrafter(MTPModel, ChainDrafter, TrainableDrafter):
+    # -- building -------------------------------------------------------------------------
+
+    @classmethod
+    def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> MTPDrafter:
+        # `vocab` (the features' pruned map) goes unused: the target's head reads every id.
+        modules = cls.spec.settings.given(settings)["modules"]
+        return cls(
+            MTPConfig.from_target(target.config, modules),
+            target.embed_weight,
+            target.lm_head_weight,
+        )
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
+        MTPConfig.from_target(target.config, cls.spec.settings.given(settings)["modules"])
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config: Mapping[str, Any],
+        embed_weight: Tensor,
+        tensors: Mapping[str, Tensor],
+        source: str,
+    ) -> MTPDrafter:
+        cfg = MTPConfig.from_dict(config)
+        if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(
+                f"{source} was trained for a target with vocab {cfg.vocab_size} and hidden size "
+                f"{cfg.hidden_size}, but the given embedding is {tuple(embed_weight.shape)}: load "
+                "it with the target it was trained for"
+            )
+        if "lm_head.weight" not in tensors:
+            raise ValueError(f"{source}: tensor 'lm_head.weight' (the target's head) is missing")
+        drafter = cls(cfg, embed_weight, tensors["lm_head.weight"])
+        check_tensor_set(drafter.tensors(), tensors, source)
+        drafter.to(device=embed_weight.device, dtype=tensors["lm_head.weight"].dtype)
+        # `.to()` may have cast the shared embedding; re-attach the target's own tensor.
+        drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
+        drafter.load_state_dict(dict(tensors), strict=False)
+        return drafter
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {
+            name: t.detach().contiguous()
+            for name, t in self.state_dict().items()
+            if not name.startswith("embed_tokens.")
+        }
+
+    def untrained(self) -> MTPDrafter:
+        fresh = type(self)(self.config, self.embed_tokens.weight, self.lm_head.weight)
+        return fresh.to(self.lm_head.weight.device)
+
+    def frozen_embedding(self) -> Tensor:
+        return self.embed_tokens.weight
+
+    def check_target(self, target: Any) -> None:
+        cfg = self.config
+        for name, theirs, ours in (
+            ("vocab size", cfg.vocab_size, target.vocab_size),
+            ("hidden size", cfg.hidden_size, target.hidden_size),
+        ):
+            if theirs != ours:
+                raise ValueError(
+                    f"drafter does not match the target: drafter {name} is {theirs}, target's "
+                    f"is {ours}; use the drafter trained for this target"
+                )
+        for name, theirs, ours in (
+            ("embed_tokens", self.embed_tokens.weight, target.embed_weight),
+            ("lm_head", self.lm_head.weight, target.lm_head_weight),
+        ):
+            if theirs.data_ptr() != ours.data_ptr() and not torch.equal(
+                theirs.to(ours.device, ours.dtype), ours
+            ):
+                raise ValueError(
+                    f"the drafter's {name} is not the target's; use the drafter trained for "
+                    "this target"
+                )
+
+    # -- training -------------------------------------------------------------------------
+
+    def unroll(
+        self,
+        features: Any,
+        loss_mask: Tensor | None,
+        steps: int,
+        replays: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> Unrolled:
+        D = self.config.num_modules
+        if steps < D:
+            raise ValueError(
+                f"{steps} unrolled depths leave MTP modules of the {D} untrained; raise "
+                "drafting.ttt_steps or lower drafter.modules"
+            )
+        return ChainDrafter.unroll(self, features, loss_mask, steps, replays)
+
+    def sft_loss(
+        self,
+        out: Unrolled,
+        teacher: Tensor,
+        last_hidden: Tensor,
+        *,
+        decay: float,
+        objective: str | None = None,
+    ) -> Tensor:
+        return depth_mean_loss(out.logits, out.valid, teacher)
+
+    def rollout_ce_loss(
+        self, out: Unrolled, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float
+    ) -> Tensor:
+        anchor_rows = torch.zeros(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
+        anchor_rows[item, anchor - 2] = True
+        return depth_mean_rollout_loss(out.logits, out.valid, teacher, anchor_rows)

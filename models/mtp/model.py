@@ -1,0 +1,221 @@
+"""The MTP network: DeepSeek-V3's multi-token prediction modules as a drafter beside a frozen
+target, a `models.chain.ChainNetwork` (row convention and training-time test: models/chain.py).
+
+Module k (1-based) at row t reads the previous module's hidden state h^{k-1}_t (the target's
+last hidden state h_t for the first) and the embedding of the token k positions on,
+x_{t+k}; both go through their own RMSNorm (`hnorm`, `enorm`), are concatenated
+[embedding; hidden] and projected 2H -> H (`eh_proj`); one Llama decoder layer gives h^k_t,
+and the target's own lm_head, frozen, after the module's `norm` predicts x_{t+k+1}. The
+embedding and the head are shared with the target (DeepSeek-V3 shares both with its main
+model); the head is a copy saved with the drafter, checked equal to the target's. Its
+vocabulary is the target's whole one (`DraftVocab.full`), never the features' pruned map.
+
+Depths beyond the D modules reuse the last module, reading its own previous output: how
+vLLM's and SGLang's MTP proposers serve more speculative tokens than a checkpoint has modules.
+In decoding and in the training unroll every step attends to one draft KV cache, as an EAGLE
+chain does: the keys the first module wrote over the committed rows, then the chain's own
+(docs/drafters.md: MTP says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.chain import ChainAttention, TTTCache
+from models.features import Features
+from models.kv import KVCache
+from models.layers import (
+    SUPPORTED_ROPE_TYPES,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    rope_parameters_of,
+)
+from models.vocab import DraftVocab
+
+DEFAULT_MODULES = 1
+"""DeepSeek-V3 trains and ships one MTP module."""
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """Shape of an MTP drafter: the target's sizes and `num_modules` (D)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    vocab_size: int
+    num_modules: int = DEFAULT_MODULES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rope_parameters", dict(self.rope_parameters))
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "vocab_size",
+            "num_modules",
+        ):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"MTPConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES or "rope_theta" not in self.rope_parameters:
+            raise ValueError(
+                f"rope {self.rope_parameters} is not supported by the drafter (rope types: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}, with rope_theta); use such a target"
+            )
+
+    @classmethod
+    def from_target(cls, target_hf_config: Any, num_modules: int = DEFAULT_MODULES) -> MTPConfig:
+        """The target's sizes, attention layout, norm eps, rope and context length."""
+        cfg = (
+            target_hf_config.to_dict()
+            if hasattr(target_hf_config, "to_dict")
+            else dict(target_hf_config)
+        )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"hidden_act {cfg['hidden_act']!r} is not supported; the MTP layer's MLP is SiLU-gated"
+            )
+        heads = cfg["num_attention_heads"]
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_parameters=rope_parameters_of(cfg),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            vocab_size=cfg["vocab_size"],
+            num_modules=num_modules,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MTPConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown MTPConfig keys {unknown}; was this file written by another version?"
+            )
+        missing = sorted({f.name for f in fields(cls) if f.default is MISSING} - set(data))
+        if missing:
+            raise ValueError(f"MTPConfig is missing keys {missing}")
+        return cls(**data)
+
+
+class MTPModule(nn.Module):
+    """One MTP module: [enorm(embedding); hnorm(hidden)] -> eh_proj -> one decoder layer; `norm`
+    is its head's norm (each DeepSeek-V3 module has its own before the shared head)."""
+
+    def __init__(self, config: MTPConfig) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(H, eps)
+        self.hnorm = RMSNorm(H, eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.self_attn = ChainAttention(
+            H, H, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        )
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = SwiGLU(H, config.intermediate_size)
+        self.norm = RMSNorm(H, eps)
+
+    def forward(
+        self,
+        embeds: Tensor,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attention_mask: Tensor | None,
+        cache: KVCache | TTTCache | None,
+    ) -> Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [B, T, H]
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
+
+
+class MTPModel(nn.Module):
+    """D MTP modules between the target's frozen embedding and its frozen lm_head.
+
+    `embed_tokens` is the target's and is never saved; `lm_head` is a frozen copy of the
+    target's head (saved: checkpoints load without the target's head at hand); `d2t` / `t2d`
+    are the identity map over the target's vocabulary.
+    """
+
+    def __init__(self, config: MTPConfig, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        super().__init__()
+        shape = (config.vocab_size, config.hidden_size)
+        for name, weight in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
+            if tuple(weight.shape) != shape:
+                raise ValueError(
+                    f"target {name} has shape {tuple(weight.shape)} but the drafter expects "
+                    f"[vocab {shape[0]}, hidden {shape[1]}]: pass the target's own"
+                )
+        self.config = config
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        self.layers = nn.ModuleList(MTPModule(config) for _ in range(config.num_modules))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_weight)
+        self.rotary = RotaryEmbedding(config.rope_parameters, config.head_dim)
+        vocab = DraftVocab.full(config.vocab_size)
+        self.register_buffer("d2t", vocab.d2t)
+        self.register_buffer("t2d", vocab.t2d)
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.d2t, self.t2d)
+
+    def read_features(self, features: Features) -> Tensor:
+        """The target's last hidden state [..., H]: the only target state MTP reads."""
+        if features.last_hidden is None:
+            raise ValueError(
+                "MTP modules read the target's last hidden state: the features carry none"
+            )
+        return features.last_hidden
+
+    def start_hidden(self, states: Tensor) -> Tensor:
+        """The first module reads the target's state itself (through its `hnorm`)."""
+        return states.to(self.layers[0].eh_proj.weight.dtype)
+
+    def chain_step(
+        self,
+        step: int,
+        input_ids: Tensor,
+        hidden: Tensor,
+        position_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        cache: KVCache | TTTCache | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Module step+1, or the last one past D: (logits [B, T, V] fp32, hidden_out [B, T, H])."""
+        module = self.layers[min(step, len(self.layers) - 1)]
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
+        cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, d]
+        hidden_out = module(embeds, hidden, cos, sin, attention_mask, cache)  # [B, T, H]
+        return self.lm_head(module.norm(hidden_out)).float(), hidden_out
