@@ -80,6 +80,11 @@ class KindSettings(BaseModel):
         bound of its own; a chain drafter is bounded only by what it was trained for)."""
         return None
 
+    def trained_depth(self) -> int:
+        """The fewest unrolled training depths (`drafting.ttt_steps`) that train every part of
+        a drafter of these settings (1: any)."""
+        return 1
+
     def reads(self) -> Reads:
         """What a drafter of these settings reads of the target (the spec's, unless a setting
         changes it)."""
@@ -136,6 +141,7 @@ class KindSpec:
     """SFT objectives the kind trains besides its own default, by name -> label; the first is
     the default's own name (naming it is the same as leaving `sft.objective` unset)."""
     tree_note: str | None = None  # what the export says about serving draft trees
+    export_note: str | None = None  # why a kind with no export format has none
     baseline: bool = False
     """The training-free kind every evaluation also decodes its prompts with (at most one):
     what a trained drafter's τ and speed-up are read against."""

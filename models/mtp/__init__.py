@@ -27,6 +27,9 @@ class MTPSettings(KindSettings):
         recorded_as="num_modules",
     )
 
+    def trained_depth(self) -> int:
+        return self.modules or DEFAULT_MODULES  # module d trains at unrolled depth d only
+
 
 SPEC = KindSpec(
     name="mtp",
@@ -34,4 +37,8 @@ SPEC = KindSpec(
     settings=MTPSettings,
     drafter=MTPDrafter,
     reads=Reads(last_hidden=True),  # h_t and the tokens' embeddings: no aux layer is stored
+    export_note=(
+        "vLLM's mtp method loads MTP layers only from inside a DeepSeek/MiMo-family target's "
+        "checkpoint, and its eagle format lacks the modules' norms (docs/drafters.md: MTP)"
+    ),
 )

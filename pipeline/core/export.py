@@ -328,7 +328,8 @@ def export_formats(drafter_ds: Dataset) -> tuple[str, ...]:
     refusing a kind that is not served."""
     spec = kind_spec(drafter_kind(drafter_ds))
     if not spec.export_formats:
-        raise OpdError(f"{drafter_ds.ref} holds a {spec.name} drafter, which exports nothing")
+        why = f": {spec.export_note}" if spec.export_note else ""
+        raise OpdError(f"{drafter_ds.ref} holds a {spec.name} drafter, which exports nothing{why}")
     return spec.export_formats
 
 

@@ -160,6 +160,13 @@ class Config(TrainConfig):
                 "drafting.ttt_steps"
             )
         spec = KINDS[drafter.kind]
+        if self.ttt_steps < drafter.trained_depth():
+            raise ValueError(
+                f"drafting.ttt_steps ({self.ttt_steps}) unrolls fewer depths than the "
+                f"{drafter.trained_depth()} a {spec.title} drafter of {drafter.settings()} "
+                "trains (the parts past them would never learn): raise drafting.ttt_steps or "
+                "lower that setting"
+            )
         if self.objective is not None and self.objective not in spec.objectives:
             raise ValueError(
                 f"sft.objective={self.objective} is not a {spec.title} objective; unset it for a "

@@ -10,6 +10,7 @@ import polars as pl
 from click.testing import CliRunner
 
 from cli.main import cli
+from pipeline.profiles import load_config
 from storage import Store
 
 TINY = ["--profile", "tiny", "--no-progress", "--set", "target.device=cpu"]
@@ -35,4 +36,14 @@ def test_the_full_chain_trains_and_evaluates_an_mtp_drafter(tmp_path):
     refused = _run(tmp_path, "export", "--drafter", "opd@latest", "--out", str(tmp_path / "x"))
     assert refused.exit_code != 0
     lines = refused.output.strip().splitlines()
-    assert len(lines) == 1 and "exports nothing" in lines[0], refused.output
+    assert len(lines) == 1 and "exports nothing: vLLM" in lines[0], refused.output
+
+
+def test_more_modules_than_unrolled_depths_are_refused_before_any_dataset(tmp_path):
+    res = _run(tmp_path, "run", "sft-chain", *TINY, *MTP, "--set", "drafter.modules=4")
+    assert res.exit_code != 0
+    last = res.output.strip().splitlines()[-1]
+    assert "drafting.ttt_steps (3)" in last and "raise drafting.ttt_steps" in last
+    assert not list(tmp_path.glob("*/*/manifest.json"))
+    fits = load_config("tiny", sets=["drafter.kind=mtp", "drafter.modules=3"])  # 3 depths
+    assert fits.sft.drafter.trained_depth() == fits.sft.ttt_steps == 3
