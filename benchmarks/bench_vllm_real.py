@@ -53,7 +53,7 @@ def main() -> None:
         help="an `opd export` directory and vLLM's speculative method for it (its kind's)",
     )
     ap.add_argument("--k", type=int, default=6, help="drafted tokens per step for the exports")
-    ap.add_argument("--ngram-k", type=int, default=4)
+    ap.add_argument("--lookup-k", type=int, default=4, help="prompt lookup's K")
     ap.add_argument("--prompts-per-set", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="float32")
@@ -64,7 +64,7 @@ def main() -> None:
     engines = {
         "plain": plain,
         vllm_engine.NGRAM: EngineSpec(
-            str(args.target), args.dtype, None, args.ngram_k, method=vllm_engine.NGRAM
+            str(args.target), args.dtype, None, args.lookup_k, method=vllm_engine.NGRAM
         ),
     }
     for item in args.export:
@@ -123,7 +123,7 @@ def main() -> None:
         "batch_size": 1,
         "temperature": 0,
         "max_new_tokens": args.max_new_tokens,
-        "k": {vllm_engine.NGRAM: args.ngram_k, "exports": args.k},
+        "k": {vllm_engine.NGRAM: args.lookup_k, "exports": args.k},
         "ngram_lookup": list(vllm_engine.NGRAM_LOOKUP),
         "prompts": dict(count),
         "by_set": {g: {n: row(n, [g]) for n in engines} for g in groups},

@@ -11,7 +11,7 @@ At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`
 
 The training-free baseline: every evaluation also decodes the same prompts, in the same loop
 and settings, with the registry's baseline kind (`KindSpec.baseline`: prompt lookup, vLLM's
-`ngram` method, which any user can switch on for free) and records its τ, α, tokens/s and
+n-gram method, which any user can switch on for free) and records its τ, α, tokens/s and
 speed-up over the plain decoding timed in this run as `free_baseline`, so a trained drafter is
 always read beside what needs no training. Its numbers depend on the prompts, the target and
 the decoding settings, never on the drafter, so they are cached in
