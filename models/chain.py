@@ -57,10 +57,12 @@ class ChainNetwork(Protocol):
         *,
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
+        head_at: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Draft step `step` (0: the rows that read the target's states) over input_ids [B, T],
         hidden [B, T, H], position_ids [B, T]; `attention_mask` bool [B, T, S] (S = cached keys
-        + T; None: causal) -> (logits [B, T, Vd] fp32, hidden_out [B, T, H])."""
+        + T; None: causal) -> (logits [B, T, Vd] fp32, hidden_out [B, T, H]). `head_at` [B]:
+        one row of each batch row, the only logits computed ([B, Vd])."""
         ...
 
 

@@ -66,17 +66,25 @@ class ChainProposer:
         if self.valid is None:
             self.valid = torch.zeros(len(rows.ids), 0, dtype=torch.bool, device=rows.ids.device)
             self.to_target = self.to_target.to(rows.ids.device)
+        last = rows.valid.sum(1) - 1  # [B]
+        batch = torch.arange(len(last), device=last.device)
         with self.timer("drafter"):
             hidden = self.drafter.start_hidden(self.drafter.read_features(rows))  # [B, W, H]
             mask = extend_mask(self.valid, rows.valid)  # [B, W, S+W]
+            # Only each row's last position drafts: the head there alone, not [B, W, Vd] fp32
+            # over a prompt's every position (4 GiB for 8 prompts of 1k tokens at a 128k head).
             logits, hidden_out = self.drafter.chain_step(
-                0, rows.ids, hidden, rows.positions, attention_mask=mask, cache=self.cache
-            )
+                0,
+                rows.ids,
+                hidden,
+                rows.positions,
+                attention_mask=mask,
+                cache=self.cache,
+                head_at=last,
+            )  # [B, Vd], [B, W, H]
         self.valid = torch.cat([self.valid, rows.valid], dim=1)
-        last = rows.valid.sum(1) - 1  # [B]
-        batch = torch.arange(len(last), device=last.device)
         root = (
-            logits[batch, last],  # [B, Vd]
+            logits,  # [B, Vd]
             hidden_out[batch, last][:, None],  # [B, 1, H]
             rows.positions[batch, last][:, None],  # [B, 1]
         )

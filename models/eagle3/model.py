@@ -240,9 +240,17 @@ class Eagle3Model(nn.Module):
         *,
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
+        head_at: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Every step is the one layer's forward."""
-        return self(input_ids, hidden, position_ids, attention_mask=attention_mask, cache=cache)
+        return self(
+            input_ids,
+            hidden,
+            position_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            head_at=head_at,
+        )
 
     def forward(
         self,
@@ -252,16 +260,21 @@ class Eagle3Model(nn.Module):
         *,
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
+        head_at: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Returns (logits [B, T, Vd] fp32, hidden_out [B, T, H] before the final norm).
 
         `attention_mask`: bool [B, T, S], True = may attend, S = cached keys + T; None = causal.
+        `head_at` [B]: one row of each batch row, where alone the logits are computed ([B, Vd]).
         """
         self._check_inputs(input_ids, hidden, position_ids, attention_mask, cache)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, d]
         hidden_out = self.midlayer(embeds, hidden, cos, sin, attention_mask, cache)  # [B, T, H]
-        logits = self.lm_head(self.norm(hidden_out)).float()  # [B, T, Vd]
+        read = hidden_out
+        if head_at is not None:  # one row of each batch row: [B, H]
+            read = hidden_out[torch.arange(len(head_at), device=head_at.device), head_at]
+        logits = self.lm_head(self.norm(read)).float()  # [B, T, Vd], or [B, Vd] at head_at
         return logits, hidden_out
 
     def _check_inputs(

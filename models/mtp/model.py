@@ -212,10 +212,15 @@ class MTPModel(nn.Module):
         *,
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
+        head_at: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Module step+1, or the last one past D: (logits [B, T, V] fp32, hidden_out [B, T, H])."""
+        """Module step+1, or the last one past D: (logits [B, T, V] fp32, hidden_out [B, T, H]);
+        with `head_at` [B] (one row of each batch row) the logits there only, [B, V]."""
         module = self.layers[min(step, len(self.layers) - 1)]
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, d]
         hidden_out = module(embeds, hidden, cos, sin, attention_mask, cache)  # [B, T, H]
-        return self.lm_head(module.norm(hidden_out)).float(), hidden_out
+        read = hidden_out
+        if head_at is not None:  # one row of each batch row: [B, H]
+            read = hidden_out[torch.arange(len(head_at), device=head_at.device), head_at]
+        return self.lm_head(module.norm(read)).float(), hidden_out

@@ -310,7 +310,7 @@ def _validator(
                 objective=cfg.objective,
             )
             log.info(
-                "[sft] step %d: val loss %.4f, acc %s, tau_sim %.3f, tau_chain %.3f",
+                "[sft] step %d: val loss %s, acc %s, tau_sim %.3f, tau_chain %.3f",
                 step,
                 row["loss"],
                 [round(a, 3) for a in row["acc"]],

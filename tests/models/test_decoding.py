@@ -11,9 +11,10 @@ import torch
 
 import models.decoding as spec
 import models.verify as verify
-from models.chain import shift_left, ttt_unroll
+from models.chain import ChainDrafter, shift_left, ttt_unroll
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.drafter import ChainShape, TreeShape
+from models.drafters import KINDS
 from models.eagle3.drafter import Eagle3Drafter
 from models.eagle3.model import Eagle3Config
 from models.target import Target, load_target
@@ -293,6 +294,45 @@ def test_the_prefill_computes_the_head_at_each_prompts_last_position_only(
     assert heads == [(4,)]  # one row per prompt, not [B, P, V] over every prompt position
     monkeypatch.undo()
     assert out.sequences == hf_greedy(tiny_llama, prompts, 1)
+
+
+def _head_everywhere(drafter):
+    """`drafter.chain_step` computing its head at every position and reading `head_at` after."""
+    step = drafter.chain_step
+
+    def everywhere(*args, head_at=None, **kwargs):
+        logits, hidden = step(*args, **kwargs)
+        if head_at is None:
+            return logits, hidden
+        return logits[torch.arange(len(head_at)), head_at], hidden
+
+    return everywhere
+
+
+def test_a_chain_drafter_computes_its_head_at_each_rows_last_position_only(tiny_llama: Target):
+    # The drafter's first step reads every prompt position (its cache needs them all) but
+    # drafts from each row's last: a head over all of them was [B, P, V] fp32 for a kind with
+    # the target's full-vocabulary head, what the target's prefill no longer computes.
+    prompts = random_prompts(4, tiny_llama.vocab_size, seed=3, lengths=(5, 12))
+    counts = torch.arange(tiny_llama.vocab_size, dtype=torch.float)
+    chains = [kind for kind in KINDS.values() if issubclass(kind.drafter, ChainDrafter)]
+    assert len(chains) > 1  # the one proposer serves several kinds
+    cfg = SpecConfig(ChainShape(3), max_new_tokens=8, eos_token_ids=())
+    for kind in chains:
+        torch.manual_seed(0)
+        drafter = kind.drafter.new(tiny_llama, DraftVocab.from_counts(counts, 64), {}).eval()
+        positions: list[int] = []  # what the head computes per call, over the batch
+        hook = drafter.lm_head.register_forward_pre_hook(
+            lambda _, args, seen=positions: seen.append(args[0].shape[:-1].numel())
+        )
+        got = speculative_generate(tiny_llama, drafter, prompts, cfg)
+        hook.remove()
+        assert positions and max(positions) <= len(prompts), (kind.name, positions)
+        # the same drafts as a head over every position, read at the last one
+        drafter.chain_step = _head_everywhere(drafter)
+        want = speculative_generate(tiny_llama, drafter, prompts, cfg)
+        assert got.records["token"] == want.records["token"], kind.name
+        assert got.sequences == want.sequences == hf_greedy(tiny_llama, prompts, 8), kind.name
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

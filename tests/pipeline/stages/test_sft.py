@@ -1,6 +1,7 @@
 """Stage `sft` end to end on tiny features from a random target."""
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -154,6 +155,22 @@ def test_a_corrupted_checkpoint_is_reported_and_the_previous_one_resumed(tiny_fe
     sums = lambda ds: {s["path"]: s["sha256"] for s in ds.manifest["shards"]}  # noqa: E731
     for name in ("model.safetensors", features.VOCAB_FILE):
         assert sums(resumed)[name] == sums(fresh)[name], name
+
+
+def test_a_validation_log_line_prints_4_significant_digits_and_the_metrics_keep_all(
+    tiny_features, caplog
+):
+    store, ctx, feats = tiny_features
+    cfg = sft.Config(steps=2, seed=11, **FAST | {"val_every": 2})  # a version of its own
+    with caplog.at_level("INFO", logger="opd"):
+        ds = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    (line,) = [r.getMessage() for r in caplog.records if "[sft] step 2: val" in r.getMessage()]
+    numbers = re.findall(r"\d+\.\d+(?:e[-+]\d+)?", line)
+    assert len(numbers) == 3 + cfg.ttt_steps, line  # loss, acc per step, tau_sim, tau_chain
+    assert all(len(n.split("e")[0].replace(".", "").lstrip("0")) <= 4 for n in numbers), line
+    val = pl.read_parquet(ds.file(drafters.METRICS_FILE)).filter(pl.col("kind") == "val")
+    loss = val.filter(pl.col("step") == 2)["loss"][0]
+    assert f"val loss {loss:.4g}," in line and repr(loss) != f"{loss:.4g}"
 
 
 def test_more_features_are_trained_on_and_must_share_the_vocab_map(tiny_features, tmp_path):
