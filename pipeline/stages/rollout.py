@@ -72,6 +72,7 @@ cached is decided from the drafter's inputs and the config, the same on every re
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 import polars as pl
@@ -229,8 +230,10 @@ def rollout_shard(
     chunk: list[dict],
     shard: int,
     cfg: Config,
+    on_batch: Callable[[int], object] | None = None,
 ) -> dict[str, Any]:
-    """Decode one shard's prompts; return its sequences and logs as columns."""
+    """Decode one shard's prompts; return its sequences and logs as columns. `on_batch` gets
+    each decoded batch's sequence count (a progress bar's update)."""
     order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]["prompt_ids"]))
     generated: list[list[int]] = [[] for _ in chunk]
     reasons = [""] * len(chunk)
@@ -256,6 +259,8 @@ def rollout_shard(
         _merge_columns(steps, res.steps, idx)
         if res.teacher is not None:  # [R, N, H], N < K when every row's block was shorter
             teachers.append(F.pad(res.teacher, (0, 0, 0, cfg.k - res.teacher.shape[1])))
+        if on_batch is not None:
+            on_batch(len(idx))
     sequences = [list(p["prompt_ids"]) + g for p, g in zip(chunk, generated, strict=True)]
 
     # Records come grouped by batch; the log is written per sequence, in step and offset order.
@@ -488,13 +493,16 @@ def run(
 
     n_shards = (len(prompts) + cfg.rows_per_shard - 1) // cfg.rows_per_shard
     mine = [i for i in range(n_shards) if i % world_size == rank]
-    bar = tqdm(total=len(mine), desc="rollout", unit="shard", disable=not ctx.progress)
+    # Counted in sequences, not shards: one shard of slow decoding (a real target on a CPU) is
+    # many minutes.
+    sizes = {i: len(prompts[i * cfg.rows_per_shard : (i + 1) * cfg.rows_per_shard]) for i in mine}
+    bar = tqdm(total=sum(sizes.values()), desc="rollout", unit="seq", disable=not ctx.progress)
     for i in mine:
         if all(output.has_shard(f) for f in shard_outputs(i, cfg)):
-            bar.update()
+            bar.update(sizes[i])
             continue
         lo, hi = i * cfg.rows_per_shard, (i + 1) * cfg.rows_per_shard
-        out = rollout_shard(target, drafter, prompts[lo:hi], i, cfg)
+        out = rollout_shard(target, drafter, prompts[lo:hi], i, cfg, bar.update)
         _write_shard(
             output,
             i,
@@ -507,7 +515,6 @@ def run(
             drafter.kind,
             features,
         )
-        bar.update()
     bar.close()
     if rank != 0:
         return {}
