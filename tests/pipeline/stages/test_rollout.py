@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from cli.main import cli
 from models.features import Features
-from pipeline.core import featurize, rollouts
+from pipeline.core import drafters, featurize, rollouts
 from pipeline.core.runner import RunContext, run_stage
 from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
@@ -298,3 +298,22 @@ def test_two_ranks_write_the_same_bytes_as_one(env, greedy, tmp_path):
         s["path"]: s["sha256"] for s in greedy.manifest["shards"]
     }
     assert ds.meta == greedy.meta
+
+
+def test_progress_counts_sequences_batch_by_batch(env, capsys):
+    store, ctx, prompts, drafter = env
+    cfg = rollout_cfg(max_prompts=7)  # 5 a shard, 3 a batch
+    chosen = rollout.select_prompts(prompts, cfg.split, cfg.max_prompts, 0)
+    target = ctx.target_loader.target
+    loaded = drafters.load_drafter_dataset(drafter, target, ctx.target_loader.identity)
+    counts = []
+    rollout.rollout_shard(target, loaded, chosen[:5], 0, cfg, counts.append)
+    assert counts == [3, 2]
+
+    ctx.progress = True
+    try:
+        run_stage(rollout.STAGE, cfg, {"prompts": prompts, "drafter": drafter}, ctx)
+    finally:
+        ctx.progress = False
+    err = capsys.readouterr().err
+    assert "0/7 [" in err and "7/7 [" in err and "seq/s" in err, err[-2000:]
