@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -301,21 +301,32 @@ def _sequence_anchors(
 
 
 def score_shard(
-    target: Target, drafter: Drafter, rollouts: Dataset, i: int, cfg: Config
+    target: Target,
+    drafter: Drafter,
+    rollouts: Dataset,
+    i: int,
+    cfg: Config,
+    on_sequences: Callable[[int], object] | None = None,
 ) -> tuple[pa.Table, int]:
     """All replays of rollout shard i, as one table of `replay_schema`, and the target
-    forwards it ran to compute the sequences' features (0 when the rollout cached them)."""
+    forwards it ran to compute the sequences' features (0 when the rollout cached them).
+    `on_sequences` gets counts of the shard's sequences as they are done (a progress bar's
+    update): those with no anchor first, then each replayed one."""
     _, feat_shard, rej_shard, _ = shard_files(i)
     tokens = rollouts.read_ipc(feat_shard).select(["seq_id", "input_ids"])
     seq_ids = [str(s) for s in tokens.column("seq_id").to_pylist()]
     seqs = tokens.column("input_ids").to_pylist()
     anchors = _sequence_anchors(rollouts, rej_shard, seq_ids, cfg)
     wanted = {r for r, a in enumerate(anchors) if a}
+    if on_sequences is not None:
+        on_sequences(len(seqs) - len(wanted))
     source = FeatureSource.reading(target, drafter.reads)
     replays: dict[int, dict[str, Any]] = {}  # row -> its replays; scored in any row order
     for r, seq in source.sequences(rollouts, feat_shard, seqs, wanted):
         gen = torch.Generator(device=target.device).manual_seed(_seed_of(cfg.seed + 1, seq_ids[r]))
         replays[r] = score_sequence(target, drafter, seq, [e for e, _ in anchors[r]], cfg, gen)
+        if on_sequences is not None:
+            on_sequences(1)
     schema = replay_schema(target.hidden_size)
     cols: dict[str, list] = {name: [] for name in schema.names}
     for r in sorted(replays):  # written in sequence, anchor, sample order
@@ -479,16 +490,22 @@ def run(
     n_shards = len([s for s in rollouts.shards("ipc") if s.startswith("features-")])
     mine = [i for i in range(n_shards) if i % world_size == rank]
     forwards = 0  # online rollouts: target forwards that computed their features, this rank
-    for i in tqdm(mine, desc="score", unit="shard", disable=not ctx.progress):
+    # Counted in sequences, not shards: one shard of replays on a real target is many minutes.
+    sizes = {i: rollouts.read_ipc(shard_files(i)[1]).num_rows for i in mine}
+    bar = tqdm(total=sum(sizes.values()), desc="score", unit="seq", disable=not ctx.progress)
+    for i in mine:
         name = f"replays-{i:05d}.arrow"
         if output.has_shard(name):
+            bar.update(sizes[i])
             continue
         if cfg.source == "logged":
             output.write_ipc(name, logged_shard(rollouts, i, cfg, target.hidden_size))
+            bar.update(sizes[i])
         else:
-            table, n = score_shard(target, drafter, rollouts, i, cfg)
+            table, n = score_shard(target, drafter, rollouts, i, cfg, bar.update)
             output.write_ipc(name, table)
             forwards += n
+    bar.close()
     if rank != 0:
         return {}
     if world_size > 1:

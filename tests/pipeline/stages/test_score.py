@@ -260,3 +260,22 @@ def test_empty_rejection_log_gives_empty_replays_with_a_message(env, caplog):
     assert ds.read_ipc("replays-00000.arrow").schema == score.replay_schema(
         drafter.config.hidden_size
     )
+
+
+def test_progress_counts_every_sequence_of_the_rollout(env, capsys):
+    store, ctx, drafter_ds, drafter, greedy, sampled = env
+    target = ctx.target_loader.target
+    counts = []
+    score.score_shard(target, drafter, greedy, 0, score.Config(), counts.append)
+    rows = greedy.read_ipc("features-00000.arrow").num_rows
+    assert sum(counts) == rows and len(counts) == 1 + rows - counts[0]
+
+    ctx.progress = True
+    try:
+        cfg = score.Config(seed=7)  # not a cached version
+        run_stage(score.STAGE, cfg, {"rollouts": greedy, "drafter": drafter_ds}, ctx)
+    finally:
+        ctx.progress = False
+    err = capsys.readouterr().err
+    total = greedy.meta["sequences"]
+    assert f"0/{total} [" in err and f"{total}/{total} [" in err and "seq/s" in err, err[-2000:]
