@@ -225,8 +225,10 @@ def evaluate(
     progress: bool = False,
     *,
     first: int = 0,
+    desc: str = "evaluate",
 ) -> Decoded:
-    """Run both decoders over `prompts` (prompts `first`.. of the evaluation) in batches."""
+    """Run both decoders over `prompts` (prompts `first`.. of the evaluation) in batches,
+    under a progress bar named `desc` when `progress`."""
     from tqdm import tqdm
 
     decode = decoder(
@@ -244,7 +246,7 @@ def evaluate(
     sums = dict.fromkeys(("spec_tokens", "spec_s", "target_s", "drafter_s"), 0.0)
     if cfg.measure_baseline:
         sums |= {"base_tokens": 0.0, "base_s": 0.0}
-    for b in tqdm(range(0, len(prompts), cfg.batch_size), desc="evaluate", disable=not progress):
+    for b in tqdm(range(0, len(prompts), cfg.batch_size), desc=desc, disable=not progress):
         batch = prompts[b : b + cfg.batch_size]
         t0 = time.perf_counter()
         res = decode(target, drafter, batch)
@@ -451,9 +453,13 @@ def _decode(
     if cfg.untrained_contrast and needs_training(drafter.kind):
         torch.manual_seed(cfg.seed)
         untrained = drafter.untrained().eval()
-        parts["untrained"] = evaluate(target, untrained, prompts, quick, first=first)
+        parts["untrained"] = evaluate(
+            target, untrained, prompts, quick, progress, first=first, desc="untrained contrast"
+        )
     if baseline is not None:
-        parts["baseline"] = evaluate(target, baseline, prompts, quick, first=first)
+        parts["baseline"] = evaluate(
+            target, baseline, prompts, quick, progress, first=first, desc="free baseline"
+        )
     return parts
 
 

@@ -103,3 +103,17 @@ def test_prompts_made_from_heldout_sets_report_tau_per_set(drafted):
     n = {s: steps.filter((pl.col("sequence") < 2) == (s == "a")).height for s in by_set}
     mean = sum(by_set[s]["tau"] * n[s] for s in n) / sum(n.values())
     assert stats.meta["tau"] == pytest.approx(mean)
+
+
+def test_every_decoding_pass_shows_its_own_progress(drafted, capsys):
+    ctx, cfg, prompts, drafter = drafted
+    ecfg = cfg.evaluate.model_copy(update={"untrained_contrast": True})
+    ctx.progress = True
+    try:
+        ds = run_stage(evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": drafter}, ctx)
+    finally:
+        ctx.progress = False
+    assert "free_baseline" in ds.dataset.meta and "tau_untrained" in ds.dataset.meta
+    err = capsys.readouterr().err
+    for desc in ("evaluate", "untrained contrast", "free baseline"):
+        assert f"{desc}: 100%" in err, err[-2000:]
