@@ -202,7 +202,9 @@ def _stderr_tail(log: Path | None, lines: int = 400) -> Iterator[deque[str]]:
     """
     tail: deque[str] = deque(maxlen=lines)
     read_fd, write_fd = os.pipe()
-    real = os.dup(2) if log is None else os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    # 0o666 less the umask, as open() creates files: os.open's default 0o777 made the log executable
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    real = os.dup(2) if log is None else os.open(log, flags, 0o666)
 
     def pump() -> None:
         with os.fdopen(read_fd, "rb") as src:
