@@ -115,7 +115,8 @@ ENGINE_EXIT_S = 30  # vLLM force-kills its engine core after ~5 s; this only bou
 
 
 def verbose() -> bool:
-    """Whether vLLM's own output is shown on stderr (`OPD_VERBOSE`), not written to a log file."""
+    """Whether the libraries' own output is shown on stderr (`OPD_VERBOSE`): vLLM's, not written
+    to a log file, and transformers' progress bars (`models.target`)."""
     return os.environ.get(VERBOSE_ENV, "0") not in ("", "0")
 
 
