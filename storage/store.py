@@ -474,6 +474,7 @@ class DatasetWriter:
             lock = plain.with_name(f".{self.version}.r{self.rank}.lock")
         else:
             lock = plain
+        # Another writer creating it meanwhile is harmless: this one unlinks it only holding it.
         made = not lock.exists()
         try:
             self._lock_fd = take_lock(lock, waiting)
