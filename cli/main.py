@@ -62,8 +62,8 @@ def _fail(message: str) -> NoReturn:
     "--verbose",
     is_flag=True,
     help="Show the engines' own output (vLLM's log, its Triton and LD_PRELOAD notices) on "
-    "stderr instead of in a log file in the stage's work directory, and the INFO notices of "
-    "Prefect and other libraries [env OPD_VERBOSE=1].",
+    "stderr instead of in a log file in the stage's work directory, the INFO notices of "
+    "Prefect and other libraries, and transformers' progress bars [env OPD_VERBOSE=1].",
 )
 @click.pass_context
 def cli(ctx: click.Context, root: Path | None, threads: int | None, verbose: bool) -> None:

@@ -73,7 +73,8 @@ def eval_cmd(
         # like the target: the drafter's own trained K, unless the command line states one
         cfg = command_config(profile, sets + extra, trained_k(inputs["drafter"]))
     cfg, loader = command_target(cfg, profile, sets, inputs.values())
-    check_engine_target("evaluate", cfg.evaluate, cfg.target)  # not after the whole evaluation
+    # not after the whole evaluation
+    check_engine_target("evaluate", cfg.evaluate, cfg.target, option="--backend")
     ctx = RunContext(store=store, target_loader=loader, progress=not as_json)
     if not as_json:
         setup_logging()

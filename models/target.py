@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -482,15 +483,39 @@ def load_target(
                 "Use the tokenizer the model was trained with."
             )
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype, device_map=device_map, use_safetensors=True
-        )
+        with _transformers_bars_hidden():
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                local_files_only=True,
+                dtype=dtype,
+                device_map=device_map,
+                use_safetensors=True,
+            )
         if device_map is None:  # with a device map, accelerate has placed every layer already
             model = model.to(device)
     except (OSError, RuntimeError, SafetensorError) as err:
         raise ValueError(f"{path}: the weights do not load ({_one_line(err)})") from None
     identity = {"path": str(path.resolve()), "weights_sha256": _files_sha256(weight_files)}
     return Target(model, aux_layer_ids=aux_layer_ids, aux_layers=aux_layers, identity=identity)
+
+
+@contextmanager
+def _transformers_bars_hidden() -> Iterator[None]:
+    """transformers' own progress bars (its "Loading weights" bar, drawn at every load, a cached
+    stage's included) hidden, unless `opd --verbose` (OPD_VERBOSE) shows the libraries' output:
+    a stage prints its own lines and bars (plain tqdm, which this leaves alone)."""
+    from transformers.utils import logging as hf_logging
+
+    from models.vllm_engine import verbose
+
+    if verbose() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:  # as the process had it: a host process's own loads keep their bars
+        hf_logging.enable_progress_bar()
 
 
 def _one_line(err: BaseException) -> str:

@@ -115,7 +115,8 @@ ENGINE_EXIT_S = 30  # vLLM force-kills its engine core after ~5 s; this only bou
 
 
 def verbose() -> bool:
-    """Whether vLLM's own output is shown on stderr (`OPD_VERBOSE`), not written to a log file."""
+    """Whether the libraries' own output is shown on stderr (`OPD_VERBOSE`): vLLM's, not written
+    to a log file, and transformers' progress bars (`models.target`)."""
     return os.environ.get(VERBOSE_ENV, "0") not in ("", "0")
 
 
@@ -202,7 +203,9 @@ def _stderr_tail(log: Path | None, lines: int = 400) -> Iterator[deque[str]]:
     """
     tail: deque[str] = deque(maxlen=lines)
     read_fd, write_fd = os.pipe()
-    real = os.dup(2) if log is None else os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    # 0o666 less the umask, as open() creates files: os.open's default 0o777 made the log executable
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    real = os.dup(2) if log is None else os.open(log, flags, 0o666)
 
     def pump() -> None:
         with os.fdopen(read_fd, "rb") as src:

@@ -453,6 +453,7 @@ class DatasetWriter:
         self.replace = replace
         self._lock_fd: int | None = None
         self._shared_fd: int | None = None  # a rank's share of the version's plain lock
+        self._made_lock: Path | None = None  # the lock file this writer created, if it did
         self._started = now_iso()
 
     def exists(self) -> bool:
@@ -473,11 +474,14 @@ class DatasetWriter:
             lock = plain.with_name(f".{self.version}.r{self.rank}.lock")
         else:
             lock = plain
+        # Another writer creating it meanwhile is harmless: this one unlinks it only holding it.
+        made = not lock.exists()
         try:
             self._lock_fd = take_lock(lock, waiting)
         except BaseException:
             self._release()
             raise
+        self._made_lock = lock if made else None
         if self.rank == 0:
             self.store._restore(self.name, self.version)
             staging = self.store.staging_dir(self.name, self.version)
@@ -499,10 +503,16 @@ class DatasetWriter:
 
     def discard_if_empty(self) -> None:
         """Remove this writer's directory if nothing was written into it (a run refused before
-        its first shard), so it does not show as an incomplete dataset until `opd gc`."""
+        its first shard), so it does not show as an incomplete dataset until `opd gc`, and the
+        lock file if this writer created it: a refusal leaves the root's files as it found them."""
         self._require_lock()
         with contextlib.suppress(OSError):  # not empty (or already gone): keep it for a re-run
             self.dir.rmdir()
+        if self._made_lock is not None and not self.dir.exists():
+            # Unlinked while held, as gc does: a writer waiting on this file finds it gone once
+            # it holds it, and locks the file the path names then (`take_lock`).
+            self._made_lock.unlink(missing_ok=True)
+            self._made_lock = None
 
     def _owned(self, name: str) -> bool:
         return f".tmp-r{self.rank}-" in name
@@ -1006,7 +1016,10 @@ class Store:
     def _locked(self, name: str, version: str) -> bool:
         """Whether any writer (any rank) currently holds this version."""
         for lock in (self.root / name).glob(f".{version}*.lock"):
-            fd = os.open(lock, os.O_RDWR)
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except FileNotFoundError:
+                continue  # unlinked since the glob by its refused writer, or by another gc
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -159,16 +159,19 @@ def resolve_backend(backend: str, loader: TargetLoader | None) -> str:
     return "hf" if vllm_engine.unsupported_reason(str(directory)) else "vllm"
 
 
-def check_engine_target(stage: str, section: StrictConfig, target: TargetConfig) -> None:
+def check_engine_target(
+    stage: str, section: StrictConfig, target: TargetConfig, option: str | None = None
+) -> None:
     """Refuse `stage`'s config `section` when it names the vLLM backend and `target` is built
     in this process: vLLM loads its target from a model directory, which such a target lacks.
-    Checked where the run's target is known, before any stage of it runs."""
+    Checked where the run's target is known, before any stage of it runs. `option`: the
+    command's own option for the backend (`--backend`), named in the fix instead of the setting."""
     if getattr(section, "backend", None) == "vllm" and in_process(target):
+        fix = f"use {option} hf" if option is not None else f"set {stage}.backend=hf"
         raise OpdError(
             f"{stage}.backend=vllm needs a target directory vLLM can load, and "
-            f"target.path={target.path} is built in this process (it has none): set "
-            f"{stage}.backend=hf (vLLM runs targets read from a directory: target.path=embedded "
-            "or a local HF model)"
+            f"target.path={target.path} is built in this process (it has none): {fix} "
+            "(vLLM runs targets read from a directory: target.path=embedded or a local HF model)"
         )
 
 

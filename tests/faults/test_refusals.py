@@ -1,4 +1,4 @@
-"""A refused run leaves nothing behind: no dataset, and no empty incomplete directory."""
+"""A refused run leaves nothing behind: no dataset, no empty incomplete directory, no lock file."""
 
 import shutil
 
@@ -21,10 +21,11 @@ from storage import Store
 def test_a_refused_evaluation_leaves_no_directory(reference, tmp_path, options, message):
     root = tmp_path / "root"
     shutil.copytree(reference.root, root)
+    before = sorted(root.rglob("*"))
     args = ["--root", str(root), "eval", "--profile", "tiny", *options]
     r = CliRunner().invoke(cli, [*args, "--drafter", str(reference.results["sft"].ref)])
     assert r.exit_code == 2, r.output
     assert message in r.output.strip().splitlines()[-1]
     assert Store(root).listing("eval") == []
-    left = (root / "eval").iterdir() if (root / "eval").exists() else []
-    assert sorted(p.name for p in left if not p.name.endswith(".lock")) == []
+    after = sorted(p for p in root.rglob("*") if p != root / "eval")  # an empty name directory
+    assert after == before, set(after) ^ set(before)  # was: the refused version's lock file

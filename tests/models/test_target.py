@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from models.target import Target, default_aux_layer_ids, load_target
+from models.target import Target, _transformers_bars_hidden, default_aux_layer_ids, load_target
 from tests.models.conftest import tiny_hf_model, tiny_target
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
@@ -217,6 +217,28 @@ def test_load_target_roundtrip(tmp_path: Path):
     # the identity follows the weights file's content
     again = load_target(directory, aux_layer_ids=(1, 2, 3))
     assert again.identity["weights_sha256"] == ident["weights_sha256"]
+
+
+def test_transformers_own_bars_are_hidden_at_a_load_unless_verbose(tmp_path, capsys, monkeypatch):
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+
+    if not hf_logging.is_progress_bar_enabled():
+        pytest.skip("HF_HUB_DISABLE_PROGRESS_BARS hides transformers' bars in this environment")
+    directory = _save_model(tmp_path / "m")
+    monkeypatch.delenv("OPD_VERBOSE", raising=False)
+    load_target(directory, aux_layer_ids=(1, 2, 3))
+    assert "Loading weights" not in capsys.readouterr().err  # was: drawn at every load
+    assert hf_logging.is_progress_bar_enabled()  # as it was: a host process keeps its bars
+    with _transformers_bars_hidden():
+        list(tqdm(range(2), desc="a stage's own bar"))
+        list(hf_logging.tqdm(range(2), desc="a library bar"))
+    err = capsys.readouterr().err
+    assert "a stage's own bar" in err and "a library bar" not in err
+
+    monkeypatch.setenv("OPD_VERBOSE", "1")  # opd --verbose
+    load_target(directory, aux_layer_ids=(1, 2, 3))
+    assert "Loading weights" in capsys.readouterr().err
 
 
 def test_load_target_errors(tmp_path: Path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from types import SimpleNamespace
 
 from models.vllm_engine import (
@@ -12,6 +14,7 @@ from models.vllm_engine import (
     _request_counters,
     _root_cause,
     _start_failure,
+    _stderr_tail,
 )
 
 
@@ -64,3 +67,13 @@ def test_only_the_chat_template_warmup_warning_is_dropped():
 
     assert not logger.filter(record("Chat template warmup failed"))
     assert logger.filter(record("Something else failed"))
+
+
+def test_the_engine_log_is_created_as_a_plain_file(tmp_path):
+    log = tmp_path / "vllm.log"
+    with _stderr_tail(log):
+        os.write(2, b"INFO an engine line\n")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("")  # how the project writes its other files: 0o666 less the umask
+    assert stat.S_IMODE(log.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+    assert not log.stat().st_mode & 0o111  # was 0755: os.open's default mode is 0o777

@@ -160,3 +160,26 @@ def test_an_unreadable_run_record_is_one_line(tmp_path, content):
     assert json.loads(path.read_text())["datasets"] == {"prompts": str(ds.ref)}
     path.write_text(content)
     one_line_error(opd(tmp_path, "show", "prompts@run:exp"), str(path), "delete it")
+
+
+def test_gc_goes_on_when_a_lock_file_it_listed_is_unlinked_before_it_opens_it(
+    tmp_path, monkeypatch
+):
+    # A writer refused before its first shard unlinks the lock file it created (as gc does),
+    # so the file gc listed for a training work directory can be gone by the time gc opens it.
+    store = Store(tmp_path)
+    v = make(store, [1]).ref.version
+    work = tmp_path / "_work" / "prompts" / v
+    work.mkdir(parents=True)
+    lock = tmp_path / "prompts" / f".{v}.lock"
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if str(path) == str(lock) and flags == os.O_RDWR:  # gc's check for a live writer
+            lock.unlink(missing_ok=True)  # the writer's refusal, just before it
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(storage.store.os, "open", open_)
+    removed = store.gc()  # was: FileNotFoundError
+    monkeypatch.undo()
+    assert removed == [work] and values(store) == [1, 2]

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+import storage.store
 from pipeline.core.config import StrictConfig, runtime_field, version_dict
 from storage import (
     CorruptDataset,
@@ -411,3 +412,58 @@ def test_a_writer_waiting_for_another_process_says_so_on_stderr_only(tmp_path, c
     assert "being written by another process" in err + rest
     assert out == ""  # a --json answer on stdout stays parseable
     assert store.open(f"trajectories@{w.version}").read_table().num_rows == 1
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p.relative_to(root) for p in root.rglob("*"))
+
+
+def test_a_writer_refused_before_its_first_shard_leaves_the_files_as_it_found_them(tmp_path):
+    store = Store(tmp_path)
+    make_dataset(store)
+    before = _files(tmp_path)
+    w = store.writer("prompts", stage="prompts", stage_version="1", config={"n": 5})
+    with w:
+        assert (tmp_path / "prompts" / f".{w.version}.lock").exists()
+        w.discard_if_empty()  # what a refusal inside the stage does
+    assert _files(tmp_path) == before  # was: its new lock file stayed
+
+    # A lock file that was there already (a killed writer's) is not this writer's to remove.
+    lock = tmp_path / "prompts" / f".{w.version}.lock"
+    lock.write_text("")
+    with w:
+        w.discard_if_empty()
+    assert _files(tmp_path) == sorted([*before, lock.relative_to(tmp_path)])
+
+
+def test_a_writer_waiting_on_a_refused_writers_lock_locks_the_file_its_path_names(
+    tmp_path, monkeypatch
+):
+    store = Store(tmp_path)
+    config = {"a": 1}
+    refused = store.writer("prompts", stage="prompts", stage_version="1", config=config)
+    waiting = store.writer("prompts", stage="prompts", stage_version="1", config=config)
+    lock = tmp_path / "prompts" / f".{refused.version}.lock"
+    real_flock, blocked, held = fcntl.flock, threading.Event(), []
+
+    def flock(fd: int, op: int) -> None:
+        if threading.current_thread() is not threading.main_thread() and not op & fcntl.LOCK_NB:
+            blocked.set()  # the waiting writer opened the refused one's lock file and waits
+        real_flock(fd, op)
+
+    def write() -> None:
+        with waiting:
+            held.append(os.fstat(waiting._lock_fd).st_ino == lock.stat().st_ino)
+            waiting.write_parquet("a.parquet", pa.table({"x": [1]}))
+            waiting.commit()
+
+    with refused:
+        monkeypatch.setattr(storage.store.fcntl, "flock", flock)
+        thread = threading.Thread(target=write)
+        thread.start()
+        assert blocked.wait(30)
+        refused.discard_if_empty()  # unlinks the lock file it created, still holding it
+        assert not lock.exists()
+    thread.join(30)
+    assert held == [True]  # not a lock on the unlinked file, which a third writer would miss
+    assert store.open(f"prompts@{refused.version}").read_table().num_rows == 1
