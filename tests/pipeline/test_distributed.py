@@ -233,7 +233,13 @@ def test_sharded_evaluate_gives_the_rows_and_numbers_of_one_process(tiny):
     traj = run_stage(generate.STAGE, cfg.generate, {"prompts": prompts}, ctx).dataset
     feats = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
     drafter = run_stage(sft.STAGE, cfg.sft, {"features": feats}, ctx).dataset
-    timed = ("tokens_per_s", "baseline_tokens_per_s", "speedup", "decode_overhead_share")
+    timed = (
+        "tokens_per_s",
+        "baseline_tokens_per_s",
+        "plain_tokens_per_s",
+        "speedup",
+        "decode_overhead_share",
+    )
 
     def written() -> tuple[dict[str, str], dict, dict]:
         ds = store.open("eval@latest")

@@ -336,10 +336,10 @@ def test_online_score_interrupted_after_a_shard_resumes_to_the_same_bytes(
     given = {"rollouts": rolled, "drafter": drafter}
     real = score.score_shard
 
-    def dies_on_the_second(target, drafter, rollouts, i, cfg):
+    def dies_on_the_second(target, drafter, rollouts, i, cfg, on_sequences=None):
         if i == 1:
             raise RuntimeError("killed")
-        return real(target, drafter, rollouts, i, cfg)
+        return real(target, drafter, rollouts, i, cfg, on_sequences)
 
     monkeypatch.setattr(score, "score_shard", dies_on_the_second)
     with pytest.raises(RuntimeError, match="killed"):
