@@ -27,6 +27,7 @@ from pathlib import Path
 
 from models import vllm_engine
 from models.vllm_engine import EngineSpec
+from pipeline.core.drafters import baseline_kind
 
 
 def benchmark_prompts(target_dir: Path, sets: list[str], per_set: int) -> list[tuple[str, list]]:
@@ -61,11 +62,10 @@ def main() -> None:
 
     prompts = benchmark_prompts(args.target, args.sets, args.prompts_per_set)
     plain = EngineSpec(str(args.target), args.dtype)
+    lookup = baseline_kind().serve_method  # vLLM's method for prompt lookup
     engines = {
         "plain": plain,
-        vllm_engine.NGRAM: EngineSpec(
-            str(args.target), args.dtype, None, args.lookup_k, method=vllm_engine.NGRAM
-        ),
+        lookup: EngineSpec(str(args.target), args.dtype, None, args.lookup_k, method=lookup),
     }
     for item in args.export:
         method, _, directory = item.partition("=")
@@ -123,7 +123,7 @@ def main() -> None:
         "batch_size": 1,
         "temperature": 0,
         "max_new_tokens": args.max_new_tokens,
-        "k": {vllm_engine.NGRAM: args.lookup_k, "exports": args.k},
+        "k": {lookup: args.lookup_k, "exports": args.k},
         "ngram_lookup": list(vllm_engine.NGRAM_LOOKUP),
         "prompts": dict(count),
         "by_set": {g: {n: row(n, [g]) for n in engines} for g in groups},

@@ -10,8 +10,8 @@ speculative decoding against plain target decoding timed in the same run on the 
 At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`).
 
 The training-free baseline: every evaluation also decodes the same prompts, in the same loop
-and settings, with the registry's baseline kind (`KindSpec.baseline`: prompt lookup, vLLM's
-n-gram method, which any user can switch on for free) and records its τ, α, tokens/s and
+and settings, with the registry's baseline kind (`KindSpec.baseline`: prompt lookup, which any
+vLLM user can switch on for free) and records its τ, α, tokens/s and
 speed-up as `free_baseline`, so a trained drafter is always read beside what needs no training.
 Its pass times plain decoding batch by batch beside it, as the drafter's does: a speed-up over
 plain decoding timed in another pass moved with the machine's load (1.03-1.50x for one lookup). Its numbers depend on the prompts, the target and
