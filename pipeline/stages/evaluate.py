@@ -11,13 +11,14 @@ At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`
 
 The training-free baseline: every evaluation also decodes the same prompts, in the same loop
 and settings, with the registry's baseline kind (`KindSpec.baseline`: prompt lookup, which any
-vLLM user can switch on for free) and records its τ, α, tokens/s and
-speed-up as `free_baseline`, so a trained drafter is always read beside what needs no training.
-Its pass times plain decoding batch by batch beside it, as the drafter's does: a speed-up over
-plain decoding timed in another pass moved with the machine's load (1.03-1.50x for one lookup). Its numbers depend on the prompts, the target and
-the decoding settings, never on the drafter, so they are cached in
-`<root>/_baseline/<key>.json` (keyed by those and by this machine, as wall-clock numbers
-belong to it): the evaluations of one run's sft and opd drafters decode it once.
+vLLM user can switch on for free) and records its τ, α, tokens/s and speed-up as
+`free_baseline`, so a trained drafter is always read beside what needs no training. Its pass
+times plain decoding batch by batch beside it, as the drafter's does: a speed-up over plain
+decoding timed in another pass moved with the machine's load (1.03-1.50x for one lookup).
+Its numbers depend on the prompts, the target and the decoding settings, never on the drafter,
+so they are cached in `<root>/_baseline/<key>.json` (keyed by those and by this machine, as
+wall-clock numbers belong to it): the evaluations of one run's sft and opd drafters decode it
+once.
 
 With `drafting.tree` set it decodes on EAGLE-2 dynamic trees (models/chain_propose.py; the one loop in models/decoding.py verifies them):
 `drafts.parquet` then has one row per tree node (plus node, parent and confidence; offset is
