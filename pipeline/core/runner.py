@@ -158,7 +158,8 @@ def run_stage(
     with writer:
         if writer.exists():  # another process committed it while we waited for the lock
             return StageResult(ctx.store.open(writer.ref), True, time.perf_counter() - t0)
-        done = len(writer.completed_shards())
+        # Files without rows (a rollout's vocab map, written first) are not work to resume from.
+        done = sum(s["rows"] is not None for s in writer.completed_shards())
         if done:
             log.info("[%s] resuming %s from %d completed shard(s)", stage.name, writer.ref, done)
         try:

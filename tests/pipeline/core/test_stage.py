@@ -128,3 +128,32 @@ def test_one_k_reaches_every_stage():
 def test_k_fields_are_set_only_through_drafting(sets, message):
     with pytest.raises(OpdError, match=message):
         load_config("tiny", sets=sets)
+
+
+def test_resuming_counts_only_shards_of_rows(store_ctx, caplog):
+    """A stage killed after writing only its vocab-map file has no rows to resume from; one
+    killed after a shard of rows resumes from that shard, and says so."""
+    store, ctx = store_ctx
+    prompts = write_prompts(store)
+
+    def run(cfg, inputs, output, rank, world_size, ctx, *, rows_first: bool):
+        if rows_first:
+            output.write_parquet("part-00000.parquet", inputs["prompts"].read_table())
+        output.write_bytes("vocab.bin", b"map")
+        raise KeyboardInterrupt  # killed after those files
+
+    for rows_first, said in ((False, False), (True, True)):
+        killed = _copy_stage(
+            [],
+            name=f"copy{int(rows_first)}",
+            output=f"copies{int(rows_first)}",
+            run=lambda *a, rows_first=rows_first: run(*a, rows_first=rows_first),
+        )
+        with pytest.raises(KeyboardInterrupt):
+            run_stage(killed, CopyConfig(), {"prompts": prompts}, ctx)
+        caplog.clear()
+        with caplog.at_level("INFO"), pytest.raises(KeyboardInterrupt):
+            run_stage(killed, CopyConfig(), {"prompts": prompts}, ctx)
+        assert ("resuming" in caplog.text) is said
+        if said:
+            assert "from 1 completed shard" in caplog.text
