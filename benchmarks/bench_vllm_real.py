@@ -124,7 +124,7 @@ def main() -> None:
         "temperature": 0,
         "max_new_tokens": args.max_new_tokens,
         "k": {lookup: args.lookup_k, "exports": args.k},
-        "ngram_lookup": list(vllm_engine.NGRAM_LOOKUP),
+        "prompt_lookup_sizes": list(vllm_engine.PROMPT_LOOKUP_SIZES),
         "prompts": dict(count),
         "by_set": {g: {n: row(n, [g]) for n in engines} for g in groups},
         "all": {n: row(n, groups) for n in engines},

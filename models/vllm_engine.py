@@ -71,7 +71,7 @@ class EngineSpec:
 
 
 NGRAM = "ngram"
-NGRAM_LOOKUP = (2, 4)
+PROMPT_LOOKUP_SIZES = (2, 4)
 """vLLM's prompt-lookup n-gram sizes (prompt_lookup_min, _max) for the `ngram` baseline: the
 range vLLM's docs use; longer matches are tried first."""
 
@@ -319,8 +319,8 @@ def engine(spec: EngineSpec, log: Path | None = None) -> Any:
         kwargs["speculative_config"] = {
             "method": NGRAM,
             "num_speculative_tokens": spec.k,
-            "prompt_lookup_min": NGRAM_LOOKUP[0],
-            "prompt_lookup_max": NGRAM_LOOKUP[1],
+            "prompt_lookup_min": PROMPT_LOOKUP_SIZES[0],
+            "prompt_lookup_max": PROMPT_LOOKUP_SIZES[1],
         }
     elif spec.drafter is not None:
         kwargs["speculative_config"] = {

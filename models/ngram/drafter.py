@@ -23,10 +23,13 @@ from models.drafter import ChainShape, ExportTarget, Proposer, ServableDrafter, 
 from models.export_format import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE, ExportError
 from models.ngram.lookup import lookup
 from models.ngram.proposer import LookupProposer
-from models.vllm_engine import NGRAM, NGRAM_LOOKUP
+from models.vllm_engine import NGRAM, PROMPT_LOOKUP_SIZES
 from models.vocab import DraftVocab
 
-SETTINGS = {"prompt_lookup_min": NGRAM_LOOKUP[0], "prompt_lookup_max": NGRAM_LOOKUP[1]}
+SETTINGS = {
+    "prompt_lookup_min": PROMPT_LOOKUP_SIZES[0],
+    "prompt_lookup_max": PROMPT_LOOKUP_SIZES[1],
+}
 PROBE_TOKENS = 64
 """Length of the token rows `probe_logits` looks drafts up in."""
 
@@ -34,8 +37,8 @@ PROBE_TOKENS = 64
 @dataclass(frozen=True)
 class NgramConfig:
     vocab_size: int
-    prompt_lookup_min: int = NGRAM_LOOKUP[0]
-    prompt_lookup_max: int = NGRAM_LOOKUP[1]
+    prompt_lookup_min: int = PROMPT_LOOKUP_SIZES[0]
+    prompt_lookup_max: int = PROMPT_LOOKUP_SIZES[1]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
