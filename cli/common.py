@@ -72,3 +72,15 @@ def command_target(cfg, profile: str | None, sets: tuple[str, ...], datasets=())
 
     target = target_for(datasets, cfg.target, stated=states_target(profile, sets))
     return cfg.model_copy(update={"target": target}), TargetLoader(target)
+
+
+def check_prompts_dataset(prompts_ds, option: str) -> None:
+    """`option` names the prompts evaluate decodes, not another stage's dataset."""
+    from pipeline.stages import evaluate
+
+    kinds = evaluate.STAGE.input_kinds("prompts")
+    if prompts_ds.ref.name not in kinds:
+        raise OpdError(
+            f"{option} {prompts_ds.ref} is a {prompts_ds.ref.name} dataset, not a "
+            f"{' or '.join(kinds)} dataset: pass {option} prompts@VERSION (or prompts@latest)"
+        )

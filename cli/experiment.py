@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from cli.common import command_config, command_target, setup_logging
+from cli.common import check_prompts_dataset, command_config, command_target, setup_logging
 from models.drafters import DEFAULT_KIND, KINDS
 from storage import Store
 
@@ -52,14 +52,20 @@ def _experiment_options(f):
 
 
 def _experiment_context(
-    store: Store, profile: str, sets: tuple[str, ...], as_json: bool, name: str
+    store: Store,
+    profile: str,
+    sets: tuple[str, ...],
+    as_json: bool,
+    name: str,
+    datasets: tuple[Any, ...] = (),
 ) -> tuple[Any, Any]:
     """(config, RunContext) of an experiment command. It logs its progress to stderr also with
-    --json (stdout then holds only the JSON): an experiment runs for minutes to hours."""
+    --json (stdout then holds only the JSON): an experiment runs for minutes to hours.
+    `datasets`: existing datasets it reads, which must have been made with its target."""
     from pipeline.core.drafters import check_drafter_settings
     from pipeline.core.runner import RunContext
 
-    cfg, loader = command_target(command_config(profile, sets), profile, sets)
+    cfg, loader = command_target(command_config(profile, sets), profile, sets, datasets)
     # Every experiment trains a warm-up drafter: its settings must not fail after the stages
     # before it ran.
     check_drafter_settings(cfg.drafter, loader.target)
@@ -129,6 +135,22 @@ def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
     help="Also time the first seed's warm-up, continued-SFT and Draft-OPD drafters against "
     "plain decoding on the held-out prompts, side by side, into the report.",
 )
+@click.option(
+    "--eval-prompts",
+    "eval_prompts_ref",
+    default=None,
+    help="Evaluate tau on this prompts dataset's held-out split, per set (e.g. one made with "
+    "--set prompts.heldout_sets=[mt_bench,gsm8k,humaneval]) [default: the warm-up prompts']. "
+    "The teacher-forced held-out curve stays on the warm-up prompts' own split, so adding it "
+    "later retrains nothing.",
+)
+@click.option(
+    "--eval-max-prompts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prompts per held-out set that every evaluation decodes [default: evaluate.max_prompts, "
+    "which also sizes the held-out validation sequences: changing that one retrains the arms].",
+)
 @click.pass_obj
 def opd_vs_sft_cmd(
     store: Store,
@@ -141,6 +163,8 @@ def opd_vs_sft_cmd(
     drafter_kind: str,
     sft_data_temperature: float | None,
     speed: bool,
+    eval_prompts_ref: str | None,
+    eval_max_prompts: int | None,
     prompts_ref: str | None,
     as_json: bool,
 ) -> None:
@@ -153,7 +177,18 @@ def opd_vs_sft_cmd(
     from pipeline.experiments import opd_vs_sft
 
     sets = _with_drafter_kind(sets, drafter_kind)
-    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-opd-vs-sft")
+    eval_prompts = None
+    if eval_prompts_ref:
+        eval_prompts = store.open(eval_prompts_ref)
+        check_prompts_dataset(eval_prompts, "--eval-prompts")
+    cfg, ctx = _experiment_context(
+        store,
+        profile,
+        sets,
+        as_json,
+        "experiment-opd-vs-sft",
+        (eval_prompts,) if eval_prompts else (),
+    )
     args = ["opd-vs-sft", "--profile", profile, *(f"--set={s}" for s in sets)]
     args += ["--seeds", str(seeds)]
     args += ["--first-seed", str(first_seed)] if first_seed is not None else []
@@ -161,6 +196,8 @@ def opd_vs_sft_cmd(
     if sft_data_temperature is not None:
         args += ["--sft-data-temperature", f"{sft_data_temperature:g}"]
     args += ["--prompts", prompts_ref] if prompts_ref else []
+    args += ["--eval-prompts", eval_prompts_ref] if eval_prompts_ref else []
+    args += ["--eval-max-prompts", str(eval_max_prompts)] if eval_max_prompts else []
     args += ["--speed"] if speed else []
     result = opd_vs_sft.opd_vs_sft(
         cfg,
@@ -171,6 +208,8 @@ def opd_vs_sft_cmd(
         budget_ratio=budget_ratio,
         sft_data_temperature=sft_data_temperature,
         prompts=store.open(prompts_ref) if prompts_ref else None,
+        eval_prompts=eval_prompts,
+        eval_max_prompts=eval_max_prompts,
         command=_command_line(store, args),
         speed=speed,
     )

@@ -8,8 +8,14 @@ import math
 
 import click
 
-from cli.common import PROFILE_HELP, command_config, command_target, setup_logging
-from storage import Dataset, OpdError, Store, check_run_name
+from cli.common import (
+    PROFILE_HELP,
+    check_prompts_dataset,
+    command_config,
+    command_target,
+    setup_logging,
+)
+from storage import OpdError, Store, check_run_name
 
 
 @click.command("eval")
@@ -90,6 +96,9 @@ def eval_cmd(
         if is_lossy(stats):  # from the dataset's meta: a cache hit logs no stage line
             click.echo(f"  LOSSY: {LOSSY_NOTE}")
         click.echo(f"  tau {stats['tau']:.3f}   alpha by offset [{alpha}]")
+        if "alpha_reached" in stats:  # evals written before the counts were recorded lack them
+            reached = " ".join(map(str, stats["alpha_reached"]))
+            click.echo(f"  drafts reaching each offset [{reached}]")
         if "tau_untrained" in stats:
             click.echo(
                 f"  an untrained drafter on the same prompts: tau {stats['tau_untrained']:.3f}"
@@ -236,7 +245,7 @@ def tune_cmd(
             "--set drafting.acceptance=typical measures a drafter with it)"
         )
     drafter, prompts_ds = store.open(drafter_ref), store.open(prompts_ref)
-    _check_prompts_dataset(prompts_ds)
+    check_prompts_dataset(prompts_ds, "--prompts")
     cfg, loader = command_target(cfg, profile, sets, [drafter, prompts_ds])
     ecfg = cfg.evaluate
     n_prompts = ecfg.max_prompts if max_prompts is None else max_prompts
@@ -276,16 +285,4 @@ def _check_tune_options(
     if not math.isfinite(temperature) or temperature < 0:
         raise OpdError(
             f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
-        )
-
-
-def _check_prompts_dataset(prompts_ds: Dataset) -> None:
-    """`--prompts` names the prompts evaluate decodes, not another stage's dataset."""
-    from pipeline.stages import evaluate
-
-    kinds = evaluate.STAGE.input_kinds("prompts")
-    if prompts_ds.ref.name not in kinds:
-        raise OpdError(
-            f"--prompts {prompts_ds.ref} is a {prompts_ds.ref.name} dataset, not a "
-            f"{' or '.join(kinds)} dataset: pass --prompts prompts@VERSION (or prompts@latest)"
         )

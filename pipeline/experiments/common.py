@@ -186,19 +186,40 @@ class Warmup:
     tau: dict[str, float]  # evaluated, by temperature
     alpha: dict[str, list[float]]  # evaluated acceptance per draft offset, by temperature
     free_baseline: dict[str, Any]  # the training-free baseline's τ on the same prompts, by T
+    by_set: dict[str, dict[str, float]]  # evaluated τ per held-out set, by temperature
+    eval_prompts: Dataset  # whose held-out split every evaluation decodes (default: `prompts`)
+    eval_config: evaluate.Config  # how (cfg.evaluate, with the experiment's own prompt count)
 
 
-def warm_up(run: Runner, cfg: PipelineConfig, prompts: Dataset | None) -> Warmup:
-    """The SFT chain's prompts -> generate -> features -> sft (cached with `opd run full`'s)."""
+def warm_up(
+    run: Runner,
+    cfg: PipelineConfig,
+    prompts: Dataset | None,
+    eval_prompts: Dataset | None = None,
+    eval_max_prompts: int | None = None,
+) -> Warmup:
+    """The SFT chain's prompts -> generate -> features -> sft (cached with `opd run full`'s).
+
+    `eval_prompts`: evaluate decodes this prompts dataset's held-out split instead of the warm-up
+    prompts' own (benchmark sets the training prompts do not hold; `check_eval_prompts`), the
+    first `eval_max_prompts` of each set (default `evaluate.max_prompts`, which also sizes the
+    held-out validation sequences: `heldout_config`)."""
     if cfg.rounds < 1:
         raise OpdError("the experiment needs rounds >= 1 (Draft-OPD rounds); set --set rounds=2")
     steps = chains.sft_chain(cfg)[:-1]
-    external: dict[str, Dataset] = {}
-    if prompts is not None:
-        steps, external = steps[1:], {"prompts": prompts}
-    out = run.chain(steps, external) | external
+    if prompts is None:
+        prompts = run.chain(steps[:1], {})["prompts"]
+    ecfg = cfg.evaluate
+    if eval_max_prompts is not None:
+        ecfg = ecfg.model_copy(update={"max_prompts": eval_max_prompts})
+    if eval_prompts is None:
+        eval_prompts = prompts
+    else:  # before the warm-up trains, not after
+        check_eval_prompts(eval_prompts, prompts, ecfg)
+    external = {"prompts": prompts}
+    out = run.chain(steps[1:], external) | external
     drafter = out["sft"]
-    evaluated = evaluate_drafter(run, "warmup", cfg, out["prompts"], drafter)
+    evaluated = evaluate_drafter(run, "warmup", ecfg, eval_prompts, drafter)
     return Warmup(
         out["prompts"],
         out["features"],
@@ -207,26 +228,47 @@ def warm_up(run: Runner, cfg: PipelineConfig, prompts: Dataset | None) -> Warmup
         evaluated["tau"],
         evaluated["alpha"],
         evaluated["free_baseline"],
+        evaluated["by_set"],
+        eval_prompts,
+        ecfg,
     )
 
 
+def check_eval_prompts(
+    eval_prompts: Dataset, train_prompts: Dataset, ecfg: evaluate.Config
+) -> None:
+    """Refuse held-out prompts that the training prompts hold: τ measured on them would not be
+    held out (the drafters train on the target's continuations of every training prompt)."""
+    held = {tuple(ids) for ids in evaluate.prompt_ids(eval_prompts, ecfg)}
+    seen = train_prompts.scan().filter(pl.col("split") == "train").select("prompt_ids")
+    shared = sum(tuple(ids) in held for ids in seen.collect()["prompt_ids"].to_list())
+    if shared:
+        raise OpdError(
+            f"{shared} of the {len(held)} prompts evaluate would decode from {eval_prompts.ref}'s "
+            f"{ecfg.split!r} split are training prompts of {train_prompts.ref}: pass evaluation "
+            "prompts whose held-out sets the training prompts do not hold (e.g. made with "
+            "prompts.heldout_sets=[mt_bench,gsm8k,humaneval])"
+        )
+
+
 def evaluate_drafter(
-    run: Runner, key: str, cfg: PipelineConfig, prompts: Dataset, drafter: Dataset
+    run: Runner, key: str, ecfg: evaluate.Config, prompts: Dataset, drafter: Dataset
 ) -> dict[str, dict[str, Any]]:
     """{"tau": tau, "alpha": acceptance per draft offset (chain position or block slot),
-    "free_baseline": the training-free baseline's τ on the same prompts (prompt lookup, when
-    evaluate measured it: `evaluate.free_baseline`)}, each by temperature, decoding the
-    held-out prompts."""
-    out: dict[str, dict[str, Any]] = {"tau": {}, "alpha": {}, "free_baseline": {}}
+    "by_set": τ per held-out set (empty when the prompts name none), "free_baseline": the
+    training-free baseline's τ on the same prompts (prompt lookup, when evaluate measured it:
+    `evaluate.free_baseline`)}, each by temperature, decoding the held-out prompts."""
+    out: dict[str, dict[str, Any]] = {"tau": {}, "alpha": {}, "free_baseline": {}, "by_set": {}}
     for t in TEMPERATURES:
         # no plain-decoding timing, no untrained-drafter contrast (the warm-up is it)
-        ecfg = cfg.evaluate.model_copy(
+        at_t = ecfg.model_copy(
             update={"temperature": t, "measure_baseline": False, "untrained_contrast": False}
         )
         meta = run.stage(
-            f"{key}:eval-T{t}", evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": drafter}
+            f"{key}:eval-T{t}", evaluate.STAGE, at_t, {"prompts": prompts, "drafter": drafter}
         ).meta
         out["tau"][str(t)], out["alpha"][str(t)] = meta["tau"], meta["alpha"]
+        out["by_set"][str(t)] = {name: one["tau"] for name, one in meta.get("by_set", {}).items()}
         if "free_baseline" in meta:
             free = meta["free_baseline"]
             out["free_baseline"][str(t)] = {"title": free["title"], "tau": free["tau"]}
@@ -372,7 +414,7 @@ def opd_arm(
         "replays": [out[f"score-r{r}"].meta.get("replays") for r in n],
         "rollout_tau": [d.meta.get("tau") for d in rollouts],
         "rollout_tokens": [d.meta.get("tokens") for d in rollouts],
-        **evaluate_drafter(run, f"{key}:opd", cfg, warm.prompts, final),
+        **evaluate_drafter(run, f"{key}:opd", warm.eval_config, warm.eval_prompts, final),
         "val": [val_curve(d) for d in opd_sets if d.meta.get("trained")],
         "heldout_curve": curve,
     }
@@ -415,14 +457,16 @@ def sft_arm(
         "steps": steps,
         "budget_row_steps": sft_budget(cont),
         "data_rollout_tokens": data.meta.get("tokens"),
-        **evaluate_drafter(run, f"s{seed}:sft-continued", cfg, warm.prompts, cont),
+        **evaluate_drafter(
+            run, f"s{seed}:sft-continued", warm.eval_config, warm.eval_prompts, cont
+        ),
         "val": val_curve(cont),
         "heldout_curve": [p | {"round": None} for p in heldout_curve(cont, warm.budget)],
     }
 
 
 def measure_speed(
-    ctx: RunContext, cfg: PipelineConfig, prompts: Dataset, drafters: dict[str, Dataset]
+    ctx: RunContext, ecfg: evaluate.Config, prompts: Dataset, drafters: dict[str, Dataset]
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{arm: {temperature: speedup, tau, tokens/s of both decoders}}: each drafter decodes the
     held-out prompts as evaluate does, with plain target decoding timed prompt by prompt in
@@ -435,14 +479,14 @@ def measure_speed(
     }
     out: dict[str, dict[str, dict[str, float]]] = {arm: {} for arm in drafters}
     for t in TEMPERATURES:
-        ecfg = cfg.evaluate.model_copy(
+        at_t = ecfg.model_copy(
             update={"temperature": t, "measure_baseline": True, "untrained_contrast": False}
         )
-        ids = evaluate.prompt_ids(prompts, ecfg)
+        ids = evaluate.prompt_ids(prompts, at_t)
         for arm, drafter in loaded.items():
-            torch.manual_seed(ecfg.seed)
+            torch.manual_seed(at_t.seed)
             stats = evaluate.summarize(
-                evaluate.evaluate(target, drafter, ids, ecfg), ecfg, len(ids)
+                evaluate.evaluate(target, drafter, ids, at_t), at_t, len(ids)
             )
             out[arm][str(t)] = {
                 name: stats[name]

@@ -91,13 +91,18 @@ def opd_vs_sft(
     budget_ratio: float = 1.0,
     sft_data_temperature: float | None = None,
     prompts: Dataset | None = None,
+    eval_prompts: Dataset | None = None,
+    eval_max_prompts: int | None = None,
     command: str | None = None,
     speed: bool = False,
 ) -> dict[str, Any]:
     """Run the experiment (see the module docstring); returns the result as JSON-able data.
 
     `budget` (row-steps per arm) defaults to `budget_ratio` x the warm-up's own budget.
-    `prompts`: use this dataset instead of running the prompts stage. `first_seed` (default
+    `prompts`: use this dataset instead of running the prompts stage. `eval_prompts`: evaluate
+    τ on this prompts dataset's held-out split (per set) instead of the warm-up prompts', the
+    first `eval_max_prompts` of each set [default: evaluate.max_prompts]; the teacher-forced
+    held-out curve stays on the warm-up prompts' own. `first_seed` (default
     `sft.seed`) lets separate processes run disjoint seeds against one root; a later run over
     all seeds reuses their datasets. `command`: the command line to quote in the report.
     `speed`: also time the first seed's drafters against plain decoding (`measure_speed`).
@@ -111,7 +116,7 @@ def opd_vs_sft(
         sft_data_temperature=sft_data_temperature,
     )
     run = Runner(ctx)
-    warm = warm_up(run, cfg, prompts)
+    warm = warm_up(run, cfg, prompts, eval_prompts, eval_max_prompts)
     budget = arm_budget(warm, budget, budget_ratio)
     log.info(
         "[experiment] warm-up %s spent %d row-steps; each arm gets %d",
@@ -139,6 +144,7 @@ def opd_vs_sft(
         )
 
     result: dict[str, Any] = {"experiment": "opd-vs-sft", **_headline(runs, warm)}
+    result["by_set"] = _by_set(runs, warm)
     result |= {
         "seeds": [r["seed"] for r in runs],
         "budget_unit": BUDGET_UNIT,
@@ -152,14 +158,17 @@ def opd_vs_sft(
         if sft_data_temperature is None
         else sft_data_temperature,
         "lr": cfg.opd.lr,
-        "heldout_prompts": cfg.evaluate.max_prompts,
+        "heldout_prompts": warm.eval_config.max_prompts,
+        "eval_prompts": str(warm.eval_prompts.ref),
         "heldout_sequences": str(heldout.ref),
         "warmup": {
             "drafter": str(warm.drafter.ref),
+            "prompts": str(warm.prompts.ref),
             "budget_row_steps": warm.budget,
             "tau": warm.tau,
             "alpha": warm.alpha,
             "free_baseline": warm.free_baseline,
+            "by_set": warm.by_set,
             "val": val_curve(warm.drafter),
         },
         "runs": runs,
@@ -171,7 +180,7 @@ def opd_vs_sft(
         }
         result["speed"] = {
             "seed": first_run["seed"],
-            "arms": measure_speed(ctx, cfg, warm.prompts, arms),
+            "arms": measure_speed(ctx, warm.eval_config, warm.eval_prompts, arms),
         }
     report = _opd_vs_sft_report(ctx, run, result, command)
     result["report"] = str(report.ref)
@@ -196,6 +205,48 @@ def _headline(runs: list[dict[str, Any]], warm: Warmup) -> dict[str, Any]:
         ]
         out[f"tau_sft_warmup{s}"] = warm.tau[str(t)]
     return out
+
+
+def _by_set(runs: list[dict[str, Any]], warm: Warmup) -> dict[str, dict[str, dict[str, Any]]]:
+    """{T: {held-out set: τ of the warm-up, each arm's mean and per-seed τ, OPD / continued
+    SFT}}: the headline per benchmark (empty where the prompts name no sets)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for t in map(str, TEMPERATURES):
+        out[t] = {}
+        for name, warm_tau in warm.by_set.get(t, {}).items():
+            row: dict[str, Any] = {"sft_warmup": warm_tau}
+            for arm in ARMS:
+                row[f"{arm}_per_seed"] = [r[arm]["by_set"][t][name] for r in runs]
+                row[arm] = statistics.fmean(row[f"{arm}_per_seed"])
+            row["opd_over_sft_continued"] = row["opd"] / row["sft_continued"]
+            out[t][name] = row
+    return out
+
+
+def _set_table(result: dict[str, Any]) -> pl.DataFrame:
+    """One row per (held-out set, temperature): the warm-up's τ, each arm's mean over seeds
+    and OPD / continued SFT."""
+    rows = [
+        {
+            "set": name,
+            "temperature": float(t),
+            "tau_sft_warmup": row["sft_warmup"],
+            "tau_sft_continued": row["sft_continued"],
+            "tau_opd": row["opd"],
+            "opd_over_sft_continued": row["opd_over_sft_continued"],
+        }
+        for t, sets in result["by_set"].items()
+        for name, row in sets.items()
+    ]
+    schema = {
+        "set": pl.String,
+        "temperature": pl.Float64,
+        "tau_sft_warmup": pl.Float64,
+        "tau_sft_continued": pl.Float64,
+        "tau_opd": pl.Float64,
+        "opd_over_sft_continued": pl.Float64,
+    }
+    return pl.DataFrame(rows, schema=schema)
 
 
 def _tau_table(result: dict[str, Any]) -> pl.DataFrame:
@@ -407,6 +458,7 @@ def _plateau_table(curves: pl.DataFrame) -> pl.DataFrame:
 def _markdown(
     result: dict[str, Any],
     tau: pl.DataFrame,
+    by_set: pl.DataFrame,
     alpha: pl.DataFrame,
     plateau: pl.DataFrame,
     speed: pl.DataFrame,
@@ -421,8 +473,9 @@ def _markdown(
         f"K={result['k']}, {result['rounds']} Draft-OPD round(s), seeds "
         f"{', '.join(map(str, result['seeds']))}, lr {result['lr']:g}. Each arm spends "
         f"**{result['budget_row_steps']:,}** {BUDGET_UNIT}; the SFT warm-up "
-        f"`{warm['drafter']}` spent {warm['budget_row_steps']:,}. τ is evaluated on "
-        f"{result['heldout_prompts']} held-out prompts.",
+        f"`{warm['drafter']}` spent {warm['budget_row_steps']:,}. τ is evaluated on the first "
+        f"{result['heldout_prompts']} held-out prompts (of each held-out set) of "
+        f"`{result['eval_prompts']}`.",
         "",
         "## τ on held-out prompts",
         "",
@@ -453,6 +506,7 @@ def _markdown(
         "",
         md_table(tau),
         "",
+        *_set_lines(by_set),
         "## Acceptance by draft offset",
         "",
         "alpha_k: of the drafts decoding reached at offset k (a chain's k-th step, a block's "
@@ -466,8 +520,8 @@ def _markdown(
         "## Where SFT plateaus: held-out τ against drafter row-steps",
         "",
         "Both arms validate on the same held-out sequences, which neither trains on: the "
-        f"target's greedy continuations (`{result['heldout_sequences']}`) of the prompts "
-        "evaluate decodes. Lines: teacher-forced τ of the drafter at each validation (thin: "
+        f"target's greedy continuations (`{result['heldout_sequences']}`) of "
+        f"{_curve_prompts(result)}. Lines: teacher-forced τ of the drafter at each validation (thin: "
         "one seed; thick: mean over seeds), at the row-steps spent so far (OPD cumulative "
         "over its rounds); squares: the evaluated τ (real decoding) of each arm's final "
         "drafter; diamond: the warm-up's. The teacher-forced τ (per-step acceptance over "
@@ -494,6 +548,32 @@ def _markdown(
     return "\n".join(lines)
 
 
+def _curve_prompts(result: dict[str, Any]) -> str:
+    """Which prompts the held-out curve continues, against the ones evaluate decodes."""
+    own = result["warmup"]["prompts"]
+    if result["eval_prompts"] == own:
+        return "the prompts evaluate decodes"
+    return (
+        f"the held-out prompts of the warm-up's `{own}`, while evaluate decodes "
+        f"`{result['eval_prompts']}`'s (`--eval-prompts`): the lines and the squares are on "
+        "different prompts"
+    )
+
+
+def _set_lines(by_set: pl.DataFrame) -> list[str]:
+    if by_set["set"].n_unique() < 2:  # one set: the table above is it
+        return []
+    return [
+        "## τ per held-out set",
+        "",
+        "Each arm's mean over seeds on each benchmark (`tau_by_set.parquet`); the table above "
+        "pools every set's verify steps.",
+        "",
+        md_table(by_set.sort("temperature", "set")),
+        "",
+    ]
+
+
 def _speed_lines(result: dict[str, Any], speed: pl.DataFrame) -> list[str]:
     if speed.is_empty():
         return []
@@ -518,6 +598,7 @@ def _opd_vs_sft_report(
     ctx: RunContext, run: Runner, result: dict[str, Any], command: str | None
 ) -> Dataset:
     tau = _tau_table(result)
+    by_set = _set_table(result)
     alpha = _alpha_table(result)
     curves = _curve_table(result)
     plateau = _plateau_table(curves)
@@ -526,7 +607,7 @@ def _opd_vs_sft_report(
     warm = result["warmup"]
 
     def markdown() -> str:
-        return _markdown(result, tau, alpha, plateau, speed, command)
+        return _markdown(result, tau, by_set, alpha, plateau, speed, command)
 
     config = {
         "experiment": "opd-vs-sft",
@@ -545,6 +626,7 @@ def _opd_vs_sft_report(
         {
             "tau": tau,
             "tau_summary": tau_summary(tau, ["arm"]),
+            **({"tau_by_set": by_set} if not by_set.is_empty() else {}),
             "alpha": alpha,
             "heldout_curve": curves,
             "plateau": plateau,
@@ -580,6 +662,14 @@ def summary_text(result: dict[str, Any]) -> str:
             f"{t:>5} {result[f'tau_sft_warmup{s}']:>9.3f} {sft_s:>18} {opd_s:>18} "
             f"{result[f'opd_over_sft_continued{s}']:>8.3f}"
         )
+    for t, sets in result["by_set"].items():
+        if len(sets) > 1:
+            lines += [
+                f"  T={t} {name}: warm-up {row['sft_warmup']:.3f}, cont. SFT "
+                f"{row['sft_continued']:.3f}, Draft-OPD {row['opd']:.3f}, OPD/SFT "
+                f"{row['opd_over_sft_continued']:.3f}"
+                for name, row in sets.items()
+            ]
     for t, free in result["warmup"].get("free_baseline", {}).items():
         lines.append(
             f"  beside them at T={t}: {free['title']} (no training), tau {free['tau']:.3f}"

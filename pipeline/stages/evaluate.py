@@ -298,14 +298,15 @@ def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
     """The headline numbers of all the prompts' rows and sums."""
     step_df, draft_df, sums = out.steps, out.drafts, out.sums
     tau = float((step_df["accepted"] + 1).mean())
+    reached: list[int] | None = None
     if cfg.tree is None:
-        alpha = (
+        by_offset = (
             draft_df.filter(pl.col("outcome") != "not_reached")
             .group_by("offset")
-            .agg((pl.col("outcome") == "accepted").mean().alias("alpha"))
-            .sort("offset")["alpha"]
-            .to_list()
+            .agg((pl.col("outcome") == "accepted").mean().alias("alpha"), pl.len().alias("n"))
+            .sort("offset")
         )
+        alpha, reached = by_offset["alpha"].to_list(), by_offset["n"].to_list()
     else:
         alpha = depth_alpha(
             step_df["accepted"].to_torch(), step_df["depth"].to_torch(), cfg.tree.depth
@@ -313,6 +314,9 @@ def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
     stats = {
         "tau": tau,
         "alpha": alpha,
+        # late offsets are reached by few drafts (a run of predictable text reaches them whole),
+        # so their alpha can read 1.00 over a dozen drafts: the counts say how much it weighs
+        **({"alpha_reached": reached} if reached is not None else {}),
         "k": cfg.k,
         **({"stop_confidence": cfg.stop_confidence} if cfg.stop_confidence is not None else {}),
         **({"tree": cfg.tree.model_dump()} if cfg.tree else {}),
@@ -602,12 +606,14 @@ def run(
         stats["free_baseline"] = plan[2] | {"cached": str(plan[1])}
     output.write_parquet("steps.parquet", out.steps.rechunk().to_arrow())
     output.write_parquet("drafts.parquet", out.drafts.rechunk().to_arrow())
-    alpha = " ".join(f"{a:.2f}" for a in stats["alpha"])
+    alpha = "alpha=[" + " ".join(f"{a:.2f}" for a in stats["alpha"]) + "]"
+    if "alpha_reached" in stats:
+        alpha += " of [" + " ".join(map(str, stats["alpha_reached"])) + "] drafts reached"
     speed = f", {stats['speedup']:.2f}x plain decoding" if "speedup" in stats else ""
     for name, one in stats.get("by_set", {}).items():
         log.info("[evaluate] %s: tau=%.3f on %d prompts", name, one["tau"], one["prompts"])
     log.info(
-        "[evaluate] tau=%.3f alpha=[%s] T=%s %s%s%s",
+        "[evaluate] tau=%.3f %s T=%s %s%s%s",
         stats["tau"],
         alpha,
         cfg.temperature,

@@ -177,6 +177,85 @@ def test_opd_vs_sft_cli_prints_the_cached_result(opd_vs_sft):
         assert alone["runs"][0][arm]["drafter"] == result["runs"][1][arm]["drafter"]
 
 
+def _benchmark_prompts(store, prompts, split_of_sets: str):
+    """A prompts dataset whose held-out split holds two named sets, a and b, taken from
+    `prompts`' rows of `split_of_sets` (its held-out rows: never trained on; its train rows: the
+    case the experiment refuses)."""
+    import pyarrow as pa
+
+    from pipeline.core.stage import HELDOUT_SETS
+
+    rows = [r for r in prompts.read_table().to_pylist() if r["split"] == split_of_sets][:4]
+    sources = ["a:1", "b:1", "a:2", "b:2"]
+    table = [r | {"split": "heldout", "source": s} for r, s in zip(rows, sources, strict=True)]
+    w = store.writer(
+        "prompts", stage="test-prompts", stage_version="1", config={"of": split_of_sets}
+    )
+    with w:
+        w.write_parquet("part-00000.parquet", pa.Table.from_pylist(table))
+        return w.commit(meta={HELDOUT_SETS: ["a", "b"]})
+
+
+def test_opd_vs_sft_evaluates_other_prompts_per_set_and_retrains_nothing(opd_vs_sft):
+    store, _, prompts, result = opd_vs_sft
+    bench = _benchmark_prompts(store, prompts, "heldout")
+    args = ["--root", str(store.root), "experiment", "opd-vs-sft", "--profile", "tiny"]
+    args += ["--set", "rounds=1", "--seeds", "2", "--eval-max-prompts", "2"]
+    args += ["--budget", str(result["budget_row_steps"]), "--prompts", str(prompts.ref)]
+    r = CliRunner().invoke(cli, [*args, "--eval-prompts", str(bench.ref), "--json"])
+    assert r.exit_code == 0, r.output
+    other = json.loads(r.stdout)
+    assert other["eval_prompts"] == str(bench.ref) and result["eval_prompts"] == str(prompts.ref)
+    assert other["heldout_prompts"] == 2  # of each set, while the arms validate on tiny's 4
+    # the same drafters, trained and validated as before: only the evaluations are new
+    assert other["warmup"]["drafter"] == result["warmup"]["drafter"]
+    for new, old in zip(other["runs"], result["runs"], strict=True):
+        for arm in ("opd", "sft_continued"):
+            assert new[arm]["drafter"] == old[arm]["drafter"]
+            assert new[arm]["heldout_curve"] == old[arm]["heldout_curve"]
+    assert other["heldout_sequences"] == result["heldout_sequences"]
+    for t, s in (("0.0", ""), ("1.0", "_t1")):
+        sets = other["by_set"][t]
+        assert sorted(sets) == ["a", "b"]
+        assert all(run["opd"]["by_set"][t] for run in other["runs"])
+        for name, row in sets.items():
+            for arm in ("opd", "sft_continued"):
+                per_seed = [run[arm]["by_set"][t][name] for run in other["runs"]]
+                assert row[f"{arm}_per_seed"] == per_seed
+                assert row[arm] == pytest.approx(sum(per_seed) / 2)
+            assert row["opd_over_sft_continued"] == pytest.approx(row["opd"] / row["sft_continued"])
+            assert row["sft_warmup"] == other["warmup"]["by_set"][t][name]
+        # both sets' prompts together: τ lies between the sets' own
+        lo, hi = sorted(sets[n]["opd"] for n in sets)
+        assert lo - 1e-9 <= other[f"tau_opd{s}"] <= hi + 1e-9
+    report = store.open(other["report"])
+    md = report.file("report.md").read_text()
+    assert "## τ per held-out set" in md and f"`{bench.ref}`" in md
+    assert "the lines and the squares are on different prompts" in md
+    by_set = pl.read_parquet(report.file("tau_by_set.parquet"))
+    assert by_set.height == 2 * 2 and set(by_set["set"]) == {"a", "b"}
+    # one set only (the default prompts name none): no per-set section
+    own = store.open(result["report"]).file("report.md").read_text()
+    assert "## τ per held-out set" not in own and "of the prompts evaluate decodes" in own
+
+
+def test_opd_vs_sft_refuses_eval_prompts_it_trains_on(opd_vs_sft):
+    store, _, prompts, result = opd_vs_sft
+    trained_on = _benchmark_prompts(store, prompts, "train")
+    cfg = load_config("tiny", sets=["rounds=1"])
+    _, ctx, _, _ = opd_vs_sft
+    with pytest.raises(OpdError, match=r"4 of the 4 prompts .* are training prompts of"):
+        opd_vs_sft_experiment.opd_vs_sft(
+            cfg, ctx, seeds=1, budget=1, prompts=prompts, eval_prompts=trained_on
+        )
+    r = CliRunner().invoke(
+        cli,
+        ["--root", str(store.root), "experiment", "opd-vs-sft", "--profile", "tiny"]
+        + ["--eval-prompts", result["warmup"]["drafter"]],
+    )
+    assert r.exit_code != 0 and "--eval-prompts" in r.output and "not a prompts" in r.output
+
+
 def test_heldout_input_and_validations_leave_default_versions_unchanged():
     cfg = load_config("tiny")
     assert "validations" not in version_dict(cfg.sft) and "validations" not in version_dict(cfg.opd)

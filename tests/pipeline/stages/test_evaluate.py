@@ -37,6 +37,16 @@ def test_evaluate_reports_consistent_tau_alpha_and_forwards(drafted):
     assert len(stats["alpha"]) <= ecfg.k and all(0 <= a <= 1 for a in stats["alpha"])
     reached = drafts.filter(pl.col("outcome") != "not_reached")
     assert reached.height > 0 and 1.0 <= stats["tau"] <= ecfg.k + 1
+    # the drafts each offset's alpha is over: offset 1 is reached at every verify step that
+    # drafted, a later one only where every offset before it was accepted
+    counts = stats["alpha_reached"]
+    assert (
+        len(counts) == len(stats["alpha"])
+        and counts[0] == steps.filter(pl.col("drafted") > 0).height
+    )
+    assert counts == reached.group_by("offset").len().sort("offset")["len"].to_list()
+    for k in range(len(counts) - 1):
+        assert counts[k + 1] <= round(counts[k] * stats["alpha"][k])
     # T=0: the speculative tokens are the target's greedy tokens, so no mismatch is reported
     assert stats["lossless_t0"] is True and stats["t0_mismatches"] == []
     assert stats["baseline_tokens_per_s"] > 0 and stats["speedup"] > 0
