@@ -161,16 +161,7 @@ def opd_vs_sft(
         "heldout_prompts": warm.eval_config.max_prompts,
         "eval_prompts": str(warm.eval_prompts.ref),
         "heldout_sequences": str(heldout.ref),
-        "warmup": {
-            "drafter": str(warm.drafter.ref),
-            "prompts": str(warm.prompts.ref),
-            "budget_row_steps": warm.budget,
-            "tau": warm.tau,
-            "alpha": warm.alpha,
-            "free_baseline": warm.free_baseline,
-            "by_set": warm.by_set,
-            "val": val_curve(warm.drafter),
-        },
+        "warmup": _warmup_record(warm),
         "runs": runs,
     }
     if speed:
@@ -187,6 +178,20 @@ def opd_vs_sft(
     result["report_md"] = str(report.path / "report.md")
     save_result(ctx, run, "opd-vs-sft", result)
     return result
+
+
+def _warmup_record(warm: Warmup) -> dict[str, Any]:
+    """The warm-up as the result records it: its datasets, budget, evaluation and validations."""
+    return {
+        "drafter": str(warm.drafter.ref),
+        "prompts": str(warm.prompts.ref),
+        "budget_row_steps": warm.budget,
+        "tau": warm.tau,
+        "alpha": warm.alpha,
+        "free_baseline": warm.free_baseline,
+        "by_set": warm.by_set,
+        "val": val_curve(warm.drafter),
+    }
 
 
 def _headline(runs: list[dict[str, Any]], warm: Warmup) -> dict[str, Any]:
