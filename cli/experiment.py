@@ -278,6 +278,82 @@ def ablate_cmd(
     click.echo(json.dumps(result, indent=2) if as_json else ablation.ablate_summary_text(result))
 
 
+def _numbers(ctx: click.Context, param: click.Parameter, value: str | None) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        return [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
+
+
+@experiment_group.command("sft-plateau")
+@click.option(
+    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config value (repeatable).",
+)
+@click.option(
+    "--data-shares",
+    default="0.25,0.5,1",
+    show_default=True,
+    callback=_numbers,
+    help="Shares of the training sequences, each trained for the profile's epochs.",
+)
+@click.option(
+    "--epochs",
+    default=None,
+    callback=_numbers,
+    help="Epochs over all the data, one run each [default: the profile's and twice them].",
+)
+@click.option(
+    "--plateau-gain",
+    type=click.FloatRange(min=0),
+    default=0.01,
+    show_default=True,
+    help="An axis is at its plateau when its last step up raised τ by less than this.",
+)
+@click.option(
+    "--prompts",
+    "prompts_ref",
+    default=None,
+    help="Use this prompts dataset instead of running the prompts stage.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+@click.pass_obj
+def sft_plateau_cmd(
+    store: Store,
+    profile: str,
+    sets: tuple[str, ...],
+    data_shares: list[float],
+    epochs: list[float] | None,
+    plateau_gain: float,
+    prompts_ref: str | None,
+    as_json: bool,
+) -> None:
+    """Train the profile's SFT drafter on nested shares of the data and for more epochs; report
+    teacher-forced held-out τ (T=0 and T=1) against data and tokens seen, and whether each axis
+    has reached its plateau, as a report dataset with a plot.
+    """
+    from pipeline.experiments import sft_plateau
+
+    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-sft-plateau")
+    result = sft_plateau.sft_plateau(
+        cfg,
+        ctx,
+        data_shares=data_shares,
+        epochs=epochs,
+        plateau_gain=plateau_gain,
+        prompts=store.open(prompts_ref) if prompts_ref else None,
+    )
+    click.echo(json.dumps(result, indent=2) if as_json else sft_plateau.summary_text(result))
+
+
 @experiment_group.command("objectives")
 @click.option(
     "--profile", default="default", show_default=True, help="Config profile (tiny, default)."

@@ -4,7 +4,8 @@ A stage builds its data and its forward module, then hands the trainer two funct
 loss of one batch (`loss_step`) and a held-out evaluation (`validate`). The trainer owns what
 both stages share: AdamW with warm-up + cosine, clipping, bf16 autocast, exact resume from
 checkpoints in `<root>/_work/<stage>/<version>/`, DDP or FSDP under `torchrun` (every rank
-steps together; only rank 0 saves), validation cadence, `stop_after_steps`, progress and metrics.
+steps together; only rank 0 saves; SIGINT or SIGTERM saves one at the end of the step it lands in),
+validation cadence, `stop_after_steps`, progress and metrics.
 
     trainer = Trainer(cfg, stage="sft", drafter=drafter, forward=TTTUnroll(drafter, 7), ...)
     trainer.setup()                      # FSDP, optimizer, schedule, resume -> trainer.step
@@ -22,6 +23,8 @@ import contextlib
 import functools
 import logging
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -143,6 +146,44 @@ class TrainConfig(StrictConfig):
             n = self.validations
             every = {math.ceil(i * total_steps / n) for i in range(1, n + 1)}
         return every | {total_steps}
+
+
+class Interrupts:
+    """SIGINT and SIGTERM during training, deferred to the end of the step they land in, so the
+    loop can save a checkpoint there (a signal mid optimizer step would leave half-updated
+    weights); a second signal stops at once. Only the main thread may install signal handlers,
+    so elsewhere (a Dask worker thread, say) signals act as they would without it."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
+        self.received = signal.Signals(signum).name
+        log.warning(
+            "%s: finishing this step and saving a checkpoint (send it again to stop at once)",
+            self.received,
+        )
+
+    def any_rank(self) -> bool:
+        """Whether any rank received a signal (every rank must stop at the same step)."""
+        if training.world_size() == 1:
+            return self.received is not None
+        flag = torch.tensor([1.0 if self.received is not None else 0.0], dtype=torch.float64)
+        return bool(training.all_reduce_sum(flag)[0] > 0)
 
 
 class TrainingStopped(OpdError):
@@ -375,7 +416,10 @@ class Trainer:
         tokens_run, row_steps_run, side_seconds = 0, 0, 0.0
         epoch, position = self.loader.position(self.step)
         try:
-            with contextlib.closing(self.loader.iterate(epoch, position, epochs=None)) as batches:
+            with (
+                contextlib.closing(self.loader.iterate(epoch, position, epochs=None)) as batches,
+                Interrupts() as interrupts,
+            ):
                 for batch in batches:
                     t0 = time.perf_counter()
                     lr = self.schedule.lr
@@ -395,14 +439,19 @@ class Trainer:
                     t_side = time.perf_counter()  # validation and checkpoints are not step time
                     if validate is not None and step in val_steps:
                         self._validate(validate, step)
-                    stopping = cfg.stop_after_steps is not None and step >= cfg.stop_after_steps
+                    interrupted = interrupts.any_rank()
+                    stopping = interrupted or (
+                        cfg.stop_after_steps is not None and step >= cfg.stop_after_steps
+                    )
                     if (step % cfg.checkpoint_every == 0 or stopping) and step < total:
                         self._save(step)
                     side_seconds += time.perf_counter() - t_side
                     if stopping and step < total:
                         training.barrier()
+                        why = interrupts.received or "a signal on another rank"
                         raise TrainingStopped(
-                            f"stopped after step {step} of {total} (stop_after_steps); "
+                            f"stopped after step {step} of {total} "
+                            f"({why if interrupted else 'stop_after_steps'}); "
                             f"re-run the stage to resume from {self.checkpointer.path(step)}"
                         )
                     if step >= total:

@@ -336,6 +336,19 @@ def holdout_split(keys: Sequence[str], share: float, seed: int) -> tuple[list[in
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
+def nested_subset(keys: Sequence[str], rows: Sequence[int], share: float, seed: int) -> list[int]:
+    """The `share` of `rows` (at least one) whose keyed hash is smallest, sorted.
+
+    Keyed by the row's name, as `holdout_split` is but under another key (so the subset is not
+    the rows next to the validation split): a smaller share's rows are inside a larger one's.
+    """
+    if not 0 < share <= 1:
+        raise OpdError(f"training share must be in (0, 1], got {share}")
+    n = max(1, round(share * len(rows)))
+    order = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:train:{keys[r]}".encode()).digest())
+    return sorted(order[:n])
+
+
 def plan_batches(
     lengths: np.ndarray,
     rows: Sequence[int],

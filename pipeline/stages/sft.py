@@ -124,12 +124,24 @@ class Config(TrainConfig):
         "The drafter kind and its settings (set through the pipeline's `drafter` section); "
         "unset is EAGLE-3, so EAGLE-3 sft versions stay unchanged"
     )
+    train_share: float | None = optional_field(
+        "Train on this share of the training sequences (0 < share <= 1; unset or 1: all), for "
+        "SFT's curve against data (`opd experiment sft-plateau`). Shares are nested (a smaller "
+        "share's sequences are inside a larger one's) and the validation split is unchanged"
+    )
 
     @field_validator("objective")
     @classmethod
     def _default_objective_is_unset(cls, value: str | None) -> str | None:
         # Naming the default explicitly must give the default's version.
         return None if value in DEFAULT_OBJECTIVES else value
+
+    @field_validator("train_share")
+    @classmethod
+    def _whole_share_is_unset(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"sft.train_share must be in (0, 1], got {value}")
+        return None if value == 1 else value
 
     @field_validator("drafter")
     @classmethod
@@ -270,6 +282,8 @@ def _setup_data(
     (`source`: the states the drafter reads, computed batch by batch for online features)."""
     index = training.FeatureIndex(sources, source.columns, source=source)
     train_rows, val_rows = training.holdout_split(index.keys, cfg.val_share, cfg.seed)
+    if cfg.train_share is not None:
+        train_rows = training.nested_subset(index.keys, train_rows, cfg.train_share, cfg.seed)
     common = dict(
         batch_size=cfg.batch_size,
         max_tokens=cfg.max_tokens,

@@ -228,6 +228,23 @@ def test_holdout_split_is_keyed_by_name():
         training.holdout_split(keys[:1], 0.5, seed=0)
 
 
+def test_nested_subset_is_keyed_nested_and_leaves_the_validation_rows_alone():
+    keys = [f"k{i}" for i in range(40)]
+    train, val = training.holdout_split(keys, 0.1, seed=0)
+    quarter, half = (training.nested_subset(keys, train, s, seed=0) for s in (0.25, 0.5))
+    assert (len(quarter), len(half)) == (9, 18)  # of 36
+    assert set(quarter) < set(half) < set(train) and not set(half) & set(val)
+    assert training.nested_subset(keys, train, 1.0, seed=0) == train
+    assert training.nested_subset(keys, train, 0.01, seed=0) != []  # at least one row
+    shuffled = keys[::-1]
+    train2, _ = training.holdout_split(shuffled, 0.1, seed=0)
+    half2 = training.nested_subset(shuffled, train2, 0.5, seed=0)
+    assert {shuffled[i] for i in half2} == {keys[i] for i in half}  # layout-independent
+    assert training.nested_subset(keys, train, 0.5, seed=1) != half
+    with pytest.raises(OpdError, match=r"training share must be in \(0, 1\]"):
+        training.nested_subset(keys, train, 0.0, seed=0)
+
+
 # -- schedule, optimizer -------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -131,6 +132,56 @@ def test_resumed_run_matches_uninterrupted_bit_for_bit(tiny_features):
     cols = ["kind", "step", "loss", "lr", "grad_norm", "acc", "tau_sim", "tau_chain"]
     assert metrics.select(cols).equals(fresh_metrics.select(cols))
     assert len(metrics.filter(pl.col("kind") == "train")) == 8
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_a_checkpoint_at_the_end_of_its_step_and_the_run_resumes_exactly(
+    tiny_features, monkeypatch, sig
+):
+    store, ctx, feats = tiny_features
+    # a version of its own per signal, so each test starts without checkpoints
+    cfg = sft.Config(steps=6, seed=20 + int(sig), ttt_steps=3, tau_k=3, **FAST)
+    calls, step = [], sft.train_step
+
+    def signalled_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # mid step 3: the loop must finish it, then save and stop
+            signal.raise_signal(sig)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "train_step", signalled_step)
+    handler = signal.getsignal(sig)
+    with pytest.raises(TrainingStopped, match=f"after step 3 of 6 \\({sig.name}\\)"):
+        run_stage(sft.STAGE, cfg, {"features": feats}, ctx)
+    assert signal.getsignal(sig) is handler  # restored for whatever runs next
+    (work,) = [
+        p for p in (store.root / "_work" / "sft").iterdir() if (p / "step-00000003").is_dir()
+    ]
+    assert training.Checkpointer(work).latest() == 3  # checkpoint_every (100) was not reached
+    assert not (store.root / "sft" / work.name / "manifest.json").exists()
+
+    monkeypatch.setattr(sft, "train_step", step)
+    resumed = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    fresh = run_stage(sft.STAGE, cfg, {"features": feats}, ctx, force=True).dataset
+    weights, fresh_weights = (load_file(d.file("model.safetensors")) for d in (resumed, fresh))
+    for name, t in fresh_weights.items():
+        assert torch.equal(weights[name], t), name
+
+
+def test_train_share_trains_on_a_nested_share_and_keeps_the_validation_split(tiny_features):
+    store, ctx, feats = tiny_features
+    base = sft.Config(steps=2, seed=31, **FAST)
+    assert sft.Config(steps=2, seed=31, train_share=1.0, **FAST) == base  # all = unset
+    with pytest.raises(ValueError, match=r"train_share must be in \(0, 1\]"):
+        sft.Config(steps=2, train_share=1.5)
+    full, half = (
+        run_stage(sft.STAGE, c, {"features": feats}, ctx).dataset
+        for c in (base, base.model_copy(update={"train_share": 0.5}))
+    )
+    assert full.ref.version != half.ref.version
+    assert half.meta["train_sequences"] == round(full.meta["train_sequences"] / 2)
+    assert half.meta["val_sequences"] == full.meta["val_sequences"]
+    assert half.manifest["config"]["stage"]["train_share"] == 0.5
 
 
 def test_a_corrupted_checkpoint_is_reported_and_the_previous_one_resumed(tiny_features, caplog):
