@@ -18,37 +18,46 @@ def experiment_group() -> None:
     """Experiments that compare training methods end to end."""
 
 
-_EXPERIMENT_OPTIONS = [
-    click.option(
-        "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
-    ),
-    click.option(
-        "--set",
-        "sets",
-        multiple=True,
-        metavar="KEY=VALUE",
-        help="Override one config value (repeatable).",
-    ),
-    click.option(
-        "--budget",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Drafter row-steps per arm or variant [default: --budget-ratio x the warm-up's].",
-    ),
-    click.option(
-        "--prompts",
-        "prompts_ref",
-        default=None,
-        help="Use this prompts dataset instead of running the prompts stage.",
-    ),
-    click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON."),
-]
+_PROFILE = click.option(
+    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+)
+_SETS = click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config value (repeatable).",
+)
+_BUDGET = click.option(
+    "--budget",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Drafter row-steps per arm or variant [default: --budget-ratio x the warm-up's].",
+)
+_PROMPTS = click.option(
+    "--prompts",
+    "prompts_ref",
+    default=None,
+    help="Use this prompts dataset instead of running the prompts stage.",
+)
+_JSON = click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 
 
-def _experiment_options(f):
-    for option in reversed(_EXPERIMENT_OPTIONS):
-        f = option(f)
-    return f
+def _options(*options):
+    """Apply click options in the order given (the order --help lists them)."""
+
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return apply
+
+
+_experiment_options = _options(_PROFILE, _SETS, _BUDGET, _PROMPTS, _JSON)
+"""The options of the experiments that train arms or variants at a drafter budget."""
+_sft_experiment_options = _options(_PROFILE, _SETS, _PROMPTS, _JSON)
+"""The options of the experiments that compare SFT runs (no budget: they train SFT's own)."""
 
 
 def _experiment_context(
@@ -288,16 +297,7 @@ def _numbers(ctx: click.Context, param: click.Parameter, value: str | None) -> l
 
 
 @experiment_group.command("sft-plateau")
-@click.option(
-    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
-)
-@click.option(
-    "--set",
-    "sets",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override one config value (repeatable).",
-)
+@_sft_experiment_options
 @click.option(
     "--data-shares",
     default="0.25,0.5,1",
@@ -318,13 +318,6 @@ def _numbers(ctx: click.Context, param: click.Parameter, value: str | None) -> l
     show_default=True,
     help="An axis is at its plateau when its last step up raised τ by less than this.",
 )
-@click.option(
-    "--prompts",
-    "prompts_ref",
-    default=None,
-    help="Use this prompts dataset instead of running the prompts stage.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 @click.pass_obj
 def sft_plateau_cmd(
     store: Store,
@@ -355,16 +348,7 @@ def sft_plateau_cmd(
 
 
 @experiment_group.command("objectives")
-@click.option(
-    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
-)
-@click.option(
-    "--set",
-    "sets",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override one config value (repeatable).",
-)
+@_sft_experiment_options
 @click.option(
     "--seeds",
     type=click.IntRange(min=1),
@@ -372,13 +356,6 @@ def sft_plateau_cmd(
     show_default=True,
     help="SFT runs per objective (mean and spread over them).",
 )
-@click.option(
-    "--prompts",
-    "prompts_ref",
-    default=None,
-    help="Use this prompts dataset instead of running the prompts stage.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 @click.pass_obj
 def objectives_cmd(
     store: Store,
