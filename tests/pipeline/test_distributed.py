@@ -71,9 +71,13 @@ def test_n_processes_write_the_same_shards_as_one_a_failed_rank_is_named_and_res
             last = ranked.stderr.strip().splitlines()[-1]
             assert last.startswith("error: step generate failed on rank 1 of 3: could not write")
             assert not many.exists(planned)
+            # Rank 0's shard is kept if it was written before the launcher stopped the ranks;
+            # on a loaded machine rank 1 can fail first, and then there is nothing to resume.
+            kept = (blocker.parent / "part-00000.parquet").exists()
             blocker.rmdir()
             ranked = opd(many.root, *args, "--nproc", str(nproc))
-            assert "resuming" in ranked.stderr  # what the failed launch wrote was kept
+            if kept:
+                assert "resuming" in ranked.stderr  # what the failed launch wrote was kept
         assert ranked.returncode == 0, ranked.stderr[-3000:]
         assert f"[rank {nproc - 1}/{nproc}]" in ranked.stderr  # every rank ran and logged
         ref = str(one.resolve(f"{name}@latest"))
