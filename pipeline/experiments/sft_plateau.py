@@ -19,7 +19,7 @@ seen within a run too.
 An axis is at its plateau when its last step up (the largest share against the one below, or
 the most epochs against the fewer) raised neither temperature's tau by `plateau_gain` or more.
 
-The result is a report dataset (`report`, stage `experiment-sft-plateau`): `runs.parquet` (one
+The result is an `experiment@VERSION` report dataset (stage `experiment-sft-plateau`): `runs.parquet` (one
 row per run: share, epochs, sequences, steps, tokens, final tau at T=0 and T=1), `curves.parquet`
 (every validation of every run against tokens seen), `plateau.png` and `report.md`; the
 manifest, written last, holds the JSON result in its meta. Every sft run is a cached dataset,
@@ -38,13 +38,14 @@ from pipeline.core.config import default_drafter
 from pipeline.core.drafters import METRICS_FILE
 from pipeline.core.report import figure, md_table, png
 from pipeline.core.runner import RunContext, StageResult, run_stage
+from pipeline.experiments import report
 from pipeline.profiles import PipelineConfig
 from pipeline.stages import sft
 from storage import Dataset, OpdError
 
 log = logging.getLogger("opd")
 
-REPORT_STAGE, REPORT_VERSION = "experiment-sft-plateau", "1"
+REPORT_KIND = "experiment-sft-plateau"
 DEFAULT_PLATEAU_GAIN = 0.01
 """A step up that raises tau by less than this is no gain: 0.01 is about the spread of tau over
 seeds measured on the real model (docs/results.md, SmolLM2: 0.001-0.018)."""
@@ -156,12 +157,19 @@ def sft_plateau(
         )
     table, curve = pl.DataFrame(runs), pl.concat(curves)
     result = _result(cfg, feats, table, plateau_gain)
-    report = write_report(ctx, result, table, curve, results)
-    result["report"] = str(report.ref)
-    result["report_md"] = str(report.dataset.path / "report.md")
-    ctx.store.record_run(
-        ctx.run_name, {k: r.ref for k, r in results.items()} | {"report": report.ref}
+    ds = report.write_report(
+        ctx,
+        REPORT_KIND,
+        {"experiment": "sft-plateau", "plateau_gain": plateau_gain},
+        {key: r.dataset for key, r in results.items()},
+        tables={"runs": table, "curves": curve},
+        plots={"plateau": lambda: plot_plateau(table, curve, result["profile_epochs"])},
+        markdown=lambda: report_markdown(result, table),
+        meta=result,
     )
+    result["report"] = str(ds.ref)
+    result["report_md"] = str(ds.path / "report.md")
+    ctx.store.record_run(ctx.run_name, {k: r.ref for k, r in results.items()} | {"report": ds.ref})
     return result
 
 
@@ -270,36 +278,6 @@ def report_markdown(result: dict[str, Any], table: pl.DataFrame) -> str:
             lines += [f"## Gains along the {axis.replace('_', ' ')}", "", md_table(gains(axis)), ""]
     lines += ["Every validation of every run: `curves.parquet`.", ""]
     return "\n".join(lines)
-
-
-def write_report(
-    ctx: RunContext,
-    result: dict[str, Any],
-    table: pl.DataFrame,
-    curve: pl.DataFrame,
-    results: dict[str, StageResult],
-) -> StageResult:
-    """The report dataset, versioned by the drafters it reports (manifest last)."""
-    writer = ctx.store.writer(
-        "report",
-        stage=REPORT_STAGE,
-        stage_version=REPORT_VERSION,
-        config={"experiment": "sft-plateau", "plateau_gain": result["plateau_gain"]},
-        inputs={key: r.ref for key, r in results.items()},
-    )
-    if writer.exists():
-        ctx.store.set_latest(writer.ref)
-        return StageResult(ctx.store.open(writer.ref), True, 0.0)
-    with writer:
-        writer.write_parquet("runs.parquet", table.to_arrow())
-        writer.write_parquet("curves.parquet", curve.to_arrow())
-        writer.write_bytes(
-            "plateau.png", plot_plateau(table, curve, result["profile_epochs"]), fmt="png"
-        )
-        writer.write_bytes("report.md", report_markdown(result, table).encode(), fmt="markdown")
-        ds = writer.commit(meta=result)
-    log.info("[experiment] wrote %s", ds.ref)
-    return StageResult(ds, False, 0.0)
 
 
 def summary_text(result: dict[str, Any]) -> str:
