@@ -40,6 +40,14 @@ _PROMPTS = click.option(
     default=None,
     help="Use this prompts dataset instead of running the prompts stage.",
 )
+_ROLLOUT_PROMPTS = click.option(
+    "--rollout-prompts",
+    "rollout_prompts_ref",
+    default=None,
+    help="Draft-OPD's rollouts (and continued SFT's fresh sequences) draw on this prompts "
+    "dataset's train split, prompts the warm-up never trained on (e.g. made by the prompts "
+    "stage with another prompts.seed) [default: the warm-up prompts'].",
+)
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 
 
@@ -83,6 +91,15 @@ def _experiment_context(
     return cfg, ctx
 
 
+def _prompts_option(store: Store, ref: str | None, option: str) -> Any:
+    """The prompts dataset an option names (None when not given); refuses another kind."""
+    if not ref:
+        return None
+    prompts = store.open(ref)
+    check_prompts_dataset(prompts, option)
+    return prompts
+
+
 def _command_line(store: Store, args: list[str]) -> str:
     """The command as the report quotes it (the options that were given, in canonical form)."""
     return shlex.join(["opd", "--root", str(store.root), "experiment", *args])
@@ -101,6 +118,7 @@ def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
 
 @experiment_group.command("opd-vs-sft")
 @_experiment_options
+@_ROLLOUT_PROMPTS
 @click.option(
     "--seeds",
     type=click.IntRange(min=1),
@@ -175,6 +193,7 @@ def opd_vs_sft_cmd(
     eval_prompts_ref: str | None,
     eval_max_prompts: int | None,
     prompts_ref: str | None,
+    rollout_prompts_ref: str | None,
     as_json: bool,
 ) -> None:
     """From one SFT warm-up, spend the same drafter budget on continued SFT and on Draft-OPD
@@ -186,17 +205,15 @@ def opd_vs_sft_cmd(
     from pipeline.experiments import opd_vs_sft
 
     sets = _with_drafter_kind(sets, drafter_kind)
-    eval_prompts = None
-    if eval_prompts_ref:
-        eval_prompts = store.open(eval_prompts_ref)
-        check_prompts_dataset(eval_prompts, "--eval-prompts")
+    eval_prompts = _prompts_option(store, eval_prompts_ref, "--eval-prompts")
+    rollout_prompts = _prompts_option(store, rollout_prompts_ref, "--rollout-prompts")
     cfg, ctx = _experiment_context(
         store,
         profile,
         sets,
         as_json,
         "experiment-opd-vs-sft",
-        (eval_prompts,) if eval_prompts else (),
+        tuple(p for p in (eval_prompts, rollout_prompts) if p is not None),
     )
     args = ["opd-vs-sft", "--profile", profile, *(f"--set={s}" for s in sets)]
     args += ["--seeds", str(seeds)]
@@ -206,6 +223,7 @@ def opd_vs_sft_cmd(
         args += ["--sft-data-temperature", f"{sft_data_temperature:g}"]
     args += ["--prompts", prompts_ref] if prompts_ref else []
     args += ["--eval-prompts", eval_prompts_ref] if eval_prompts_ref else []
+    args += ["--rollout-prompts", rollout_prompts_ref] if rollout_prompts_ref else []
     args += ["--eval-max-prompts", str(eval_max_prompts)] if eval_max_prompts else []
     args += ["--speed"] if speed else []
     result = opd_vs_sft.opd_vs_sft(
@@ -219,6 +237,7 @@ def opd_vs_sft_cmd(
         prompts=store.open(prompts_ref) if prompts_ref else None,
         eval_prompts=eval_prompts,
         eval_max_prompts=eval_max_prompts,
+        rollout_prompts=rollout_prompts,
         command=_command_line(store, args),
         speed=speed,
     )
@@ -227,6 +246,7 @@ def opd_vs_sft_cmd(
 
 @experiment_group.command("ablate")
 @_experiment_options
+@_ROLLOUT_PROMPTS
 @click.option(
     "--factors",
     default="loss",
@@ -260,6 +280,7 @@ def ablate_cmd(
     budget: int | None,
     budget_ratio: float,
     prompts_ref: str | None,
+    rollout_prompts_ref: str | None,
     as_json: bool,
 ) -> None:
     """Draft-OPD variants, one factor at a time, from opd-vs-sft's SFT warm-up at one drafter
@@ -269,11 +290,20 @@ def ablate_cmd(
     from pipeline.experiments import ablate as ablation
 
     names = [f.strip() for f in factors.split(",") if f.strip()]
-    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-ablate")
+    rollout_prompts = _prompts_option(store, rollout_prompts_ref, "--rollout-prompts")
+    cfg, ctx = _experiment_context(
+        store,
+        profile,
+        sets,
+        as_json,
+        "experiment-ablate",
+        (rollout_prompts,) if rollout_prompts else (),
+    )
     args = ["ablate", "--profile", profile, *(f"--set={s}" for s in sets)]
     args += ["--factors", ",".join(names), "--seeds", str(seeds)]
     args += ["--budget", str(budget)] if budget else ["--budget-ratio", f"{budget_ratio:g}"]
     args += ["--prompts", prompts_ref] if prompts_ref else []
+    args += ["--rollout-prompts", rollout_prompts_ref] if rollout_prompts_ref else []
     result = ablation.ablate(
         cfg,
         ctx,
@@ -282,6 +312,7 @@ def ablate_cmd(
         budget=budget,
         budget_ratio=budget_ratio,
         prompts=store.open(prompts_ref) if prompts_ref else None,
+        rollout_prompts=rollout_prompts,
         command=_command_line(store, args),
     )
     click.echo(json.dumps(result, indent=2) if as_json else ablation.ablate_summary_text(result))

@@ -120,15 +120,17 @@ def ablate(
     budget: int | None = None,
     budget_ratio: float = 0.25,
     prompts: Dataset | None = None,
+    rollout_prompts: Dataset | None = None,
     command: str | None = None,
 ) -> dict[str, Any]:
     """OPD variants, one factor at a time, from opd-vs-sft's warm-up at one drafter budget
     (`budget`, else `budget_ratio` x the warm-up's; split over each variant's rounds), each
-    evaluated at T=0 and T=1 for every seed. Returns the result as JSON-able data."""
+    evaluated at T=0 and T=1 for every seed; the rollouts draw on `rollout_prompts`' train split
+    when given (`warm_up`). Returns the result as JSON-able data."""
     check_arm_options(cfg, seeds=seeds, budget=budget, budget_ratio=budget_ratio)
     variants = ablation_variants(cfg, factors)
     run = Runner(ctx)
-    warm = warm_up(run, cfg, prompts)
+    warm = warm_up(run, cfg, prompts, rollout_prompts=rollout_prompts)
     budget = arm_budget(warm, budget, budget_ratio)
     log.info(
         "[ablate] %d variants x %d seeds from %s, %d row-steps each",
@@ -165,6 +167,7 @@ def ablate(
             "budget_row_steps": warm.budget,
             "tau": warm.tau,
         },
+        "rollout_prompts": str(warm.rollout_prompts.ref),
         "rows": rows,
     }
     report = _ablate_report(ctx, run, result, command)

@@ -189,6 +189,7 @@ class Warmup:
     by_set: dict[str, dict[str, float]]  # evaluated τ per held-out set, by temperature
     eval_prompts: Dataset  # whose held-out split every evaluation decodes (default: `prompts`)
     eval_config: evaluate.Config  # how (cfg.evaluate, with the experiment's own prompt count)
+    rollout_prompts: Dataset  # whose train split the arms' fresh sequences come from (`prompts`)
 
 
 def warm_up(
@@ -197,13 +198,16 @@ def warm_up(
     prompts: Dataset | None,
     eval_prompts: Dataset | None = None,
     eval_max_prompts: int | None = None,
+    rollout_prompts: Dataset | None = None,
 ) -> Warmup:
     """The SFT chain's prompts -> generate -> features -> sft (cached with `opd run full`'s).
 
     `eval_prompts`: evaluate decodes this prompts dataset's held-out split instead of the warm-up
     prompts' own (benchmark sets the training prompts do not hold; `check_eval_prompts`), the
     first `eval_max_prompts` of each set (default `evaluate.max_prompts`, which also sizes the
-    held-out validation sequences: `heldout_config`)."""
+    held-out validation sequences: `heldout_config`). `rollout_prompts`: the Draft-OPD rounds
+    and continued SFT's fresh sequences draw on this prompts dataset's train split instead of
+    the warm-up prompts' (prompts SFT never saw; `check_rollout_prompts`)."""
     if cfg.rounds < 1:
         raise OpdError("the experiment needs rounds >= 1 (Draft-OPD rounds); set --set rounds=2")
     steps = chains.sft_chain(cfg)[:-1]
@@ -216,6 +220,10 @@ def warm_up(
         eval_prompts = prompts
     else:  # before the warm-up trains, not after
         check_eval_prompts(eval_prompts, prompts, ecfg)
+    if rollout_prompts is None:
+        rollout_prompts = prompts
+    else:
+        check_rollout_prompts(rollout_prompts, prompts, eval_prompts, ecfg)
     external = {"prompts": prompts}
     out = run.chain(steps[1:], external) | external
     drafter = out["sft"]
@@ -231,6 +239,7 @@ def warm_up(
         evaluated["by_set"],
         eval_prompts,
         ecfg,
+        rollout_prompts,
     )
 
 
@@ -240,8 +249,7 @@ def check_eval_prompts(
     """Refuse held-out prompts that the training prompts hold: τ measured on them would not be
     held out (the drafters train on the target's continuations of every training prompt)."""
     held = {tuple(ids) for ids in evaluate.prompt_ids(eval_prompts, ecfg)}
-    seen = train_prompts.scan().filter(pl.col("split") == "train").select("prompt_ids")
-    shared = sum(tuple(ids) in held for ids in seen.collect()["prompt_ids"].to_list())
+    shared = len(held & _train_prompts(train_prompts))
     if shared:
         raise OpdError(
             f"{shared} of the {len(held)} prompts evaluate would decode from {eval_prompts.ref}'s "
@@ -249,6 +257,37 @@ def check_eval_prompts(
             "prompts whose held-out sets the training prompts do not hold (e.g. made with "
             "prompts.heldout_sets=[mt_bench,gsm8k,humaneval])"
         )
+
+
+def check_rollout_prompts(
+    rollout_prompts: Dataset, train_prompts: Dataset, eval_prompts: Dataset, ecfg: evaluate.Config
+) -> None:
+    """Refuse rollout prompts the warm-up trained on or evaluation decodes. Fresh prompts are
+    their point: at T=0 a rollout of a training prompt repeats the SFT sequence token for token,
+    and an arm trained on an evaluated prompt would make its τ not held out."""
+    fresh = _train_prompts(rollout_prompts)
+    if not fresh:
+        raise OpdError(
+            f"{rollout_prompts.ref} has no 'train' split rows for the rollouts to draw on: pass "
+            "a prompts dataset made by the prompts stage (e.g. prompts.seed=1 for other draws)"
+        )
+    held = {tuple(ids) for ids in evaluate.prompt_ids(eval_prompts, ecfg)}
+    for other, what in (
+        (_train_prompts(train_prompts), f"training prompts of the warm-up's {train_prompts.ref}"),
+        (held, f"prompts evaluate decodes from {eval_prompts.ref}"),
+    ):
+        if shared := len(fresh & other):
+            raise OpdError(
+                f"{shared} of the {len(fresh)} train prompts of {rollout_prompts.ref} are {what}: "
+                "pass rollout prompts that neither trains nor evaluates on (e.g. the prompts "
+                "stage with another prompts.seed)"
+            )
+
+
+def _train_prompts(prompts: Dataset) -> set[tuple[int, ...]]:
+    """The token ids of a prompts dataset's train split."""
+    rows = prompts.scan().filter(pl.col("split") == "train").select("prompt_ids").collect()
+    return {tuple(ids) for ids in rows["prompt_ids"].to_list()}
 
 
 def evaluate_drafter(
@@ -388,7 +427,7 @@ def opd_arm(
         }
     )
     rounds = chains.opd_rounds(seeded)
-    external = {"prompts": warm.prompts, "sft": warm.drafter, "features": warm.features}
+    external = {"prompts": warm.rollout_prompts, "sft": warm.drafter, "features": warm.features}
     if heldout is not None:
         external["heldout"] = heldout
         for step in rounds:
@@ -435,7 +474,7 @@ def sft_arm(
         f"s{seed}:sft-data",
         rollout.STAGE,
         data_cfg,
-        {"prompts": warm.prompts, "drafter": warm.drafter},
+        {"prompts": warm.rollout_prompts, "drafter": warm.drafter},
     )
     sft_cfg = cfg.sft.model_copy(update={"seed": seed, "lr": cfg.opd.lr, "epochs": None})
     steps = sft_steps_for_budget([data, warm.features], sft_cfg, budget)

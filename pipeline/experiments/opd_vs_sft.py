@@ -93,6 +93,7 @@ def opd_vs_sft(
     prompts: Dataset | None = None,
     eval_prompts: Dataset | None = None,
     eval_max_prompts: int | None = None,
+    rollout_prompts: Dataset | None = None,
     command: str | None = None,
     speed: bool = False,
 ) -> dict[str, Any]:
@@ -102,7 +103,9 @@ def opd_vs_sft(
     `prompts`: use this dataset instead of running the prompts stage. `eval_prompts`: evaluate
     τ on this prompts dataset's held-out split (per set) instead of the warm-up prompts', the
     first `eval_max_prompts` of each set [default: evaluate.max_prompts]; the teacher-forced
-    held-out curve stays on the warm-up prompts' own. `first_seed` (default
+    held-out curve stays on the warm-up prompts' own. `rollout_prompts`: the OPD rounds and
+    continued SFT's fresh sequences draw on this dataset's train split (prompts the warm-up
+    never trained on) instead of the warm-up prompts'. `first_seed` (default
     `sft.seed`) lets separate processes run disjoint seeds against one root; a later run over
     all seeds reuses their datasets. `command`: the command line to quote in the report.
     `speed`: also time the first seed's drafters against plain decoding (`measure_speed`).
@@ -116,7 +119,7 @@ def opd_vs_sft(
         sft_data_temperature=sft_data_temperature,
     )
     run = Runner(ctx)
-    warm = warm_up(run, cfg, prompts, eval_prompts, eval_max_prompts)
+    warm = warm_up(run, cfg, prompts, eval_prompts, eval_max_prompts, rollout_prompts)
     budget = arm_budget(warm, budget, budget_ratio)
     log.info(
         "[experiment] warm-up %s spent %d row-steps; each arm gets %d",
@@ -160,6 +163,7 @@ def opd_vs_sft(
         "lr": cfg.opd.lr,
         "heldout_prompts": warm.eval_config.max_prompts,
         "eval_prompts": str(warm.eval_prompts.ref),
+        "rollout_prompts": str(warm.rollout_prompts.ref),
         "heldout_sequences": str(heldout.ref),
         "warmup": _warmup_record(warm),
         "runs": runs,
@@ -480,7 +484,13 @@ def _markdown(
         f"**{result['budget_row_steps']:,}** {BUDGET_UNIT}; the SFT warm-up "
         f"`{warm['drafter']}` spent {warm['budget_row_steps']:,}. τ is evaluated on the first "
         f"{result['heldout_prompts']} held-out prompts (of each held-out set) of "
-        f"`{result['eval_prompts']}`.",
+        f"`{result['eval_prompts']}`. Both arms' fresh sequences come from the train split of "
+        f"`{result['rollout_prompts']}`"
+        + (
+            " (the warm-up's own)."
+            if result["rollout_prompts"] == warm["prompts"]
+            else ", prompts the warm-up never trained on."
+        ),
         "",
         "## τ on held-out prompts",
         "",

@@ -256,6 +256,72 @@ def test_opd_vs_sft_refuses_eval_prompts_it_trains_on(opd_vs_sft):
     assert r.exit_code != 0 and "--eval-prompts" in r.output and "not a prompts" in r.output
 
 
+def _prompts_of(store, rows: list[dict], tag: str):
+    """A prompts dataset whose train split holds `rows`."""
+    import pyarrow as pa
+
+    from tests.pipeline.conftest import PROMPTS_SCHEMA
+
+    table = [
+        {"prompt_id": f"{r['prompt_id']}-{tag}", "split": "train", "prompt_ids": r["prompt_ids"]}
+        for r in rows
+    ]
+    w = store.writer("prompts", stage="test-prompts", stage_version="1", config={"tag": tag})
+    with w:
+        w.write_parquet("part-00000.parquet", pa.Table.from_pylist(table, schema=PROMPTS_SCHEMA))
+        return w.commit()
+
+
+def test_opd_vs_sft_drafts_on_fresh_prompts_and_refuses_trained_or_evaluated_ones(opd_vs_sft):
+    store, ctx, prompts, result = opd_vs_sft
+    rows = prompts.read_table().to_pylist()
+    # the training prompts' tokens reversed: prompts the warm-up never saw
+    unseen = [r | {"prompt_ids": r["prompt_ids"][::-1]} for r in rows if r["split"] == "train"]
+    fresh = _prompts_of(store, unseen, "fresh")
+    cfg = load_config("tiny", sets=["rounds=1"])
+    budget = result["budget_row_steps"]
+    other = opd_vs_sft_experiment.opd_vs_sft(
+        cfg, ctx, seeds=1, budget=budget, prompts=prompts, rollout_prompts=fresh
+    )
+    assert result["rollout_prompts"] == str(prompts.ref)  # the default: the warm-up's own
+    assert other["rollout_prompts"] == str(fresh.ref)
+    # the same warm-up and held-out sequences; both arms train on the fresh prompts' sequences
+    assert other["warmup"]["drafter"] == result["warmup"]["drafter"]
+    assert other["heldout_sequences"] == result["heldout_sequences"]
+    new, old = other["runs"][0], result["runs"][0]
+    data = store.open(new["sft_continued"]["data"])
+    assert data.inputs["prompts"] == str(fresh.ref)
+    assert store.open(new["opd"]["drafter"]).inputs["rollouts"] == str(data.ref)
+    decoded = pl.read_parquet(data.path / "sequences-*.parquet")["prompt_id"]
+    assert decoded.len() > 0
+    assert set(decoded) <= {r["prompt_id"] + "-fresh" for r in unseen}
+    for arm in ("opd", "sft_continued"):
+        assert new[arm]["drafter"] != old[arm]["drafter"]
+    md = store.open(other["report"]).file("report.md").read_text()
+    assert f"`{fresh.ref}`, prompts the warm-up never trained on" in md
+
+    # refused before any stage: prompts the warm-up trained on, prompts evaluate decodes, and a
+    # dataset with no train split
+    trained = _prompts_of(store, [r for r in rows if r["split"] == "train"], "trained")
+    evaluated = _prompts_of(store, [r for r in rows if r["split"] == "heldout"], "evaluated")
+    heldout_only = _benchmark_prompts(store, prompts, "heldout")
+    for bad, message in (
+        (trained, r"12 of the 12 train prompts .* are training prompts of the warm-up's"),
+        (evaluated, r"4 of the 4 train prompts .* are prompts evaluate decodes from"),
+        (heldout_only, r"has no 'train' split rows"),
+    ):
+        with pytest.raises(OpdError, match=message):
+            opd_vs_sft_experiment.opd_vs_sft(
+                cfg, ctx, seeds=1, budget=budget, prompts=prompts, rollout_prompts=bad
+            )
+    r = CliRunner().invoke(
+        cli,
+        ["--root", str(store.root), "experiment", "opd-vs-sft", "--profile", "tiny"]
+        + ["--rollout-prompts", result["warmup"]["drafter"]],
+    )
+    assert r.exit_code != 0 and "--rollout-prompts" in r.output and "not a prompts" in r.output
+
+
 def test_heldout_input_and_validations_leave_default_versions_unchanged():
     cfg = load_config("tiny")
     assert "validations" not in version_dict(cfg.sft) and "validations" not in version_dict(cfg.opd)
@@ -368,6 +434,7 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     assert r.exit_code == 0, r.output
     printed = json.loads(r.stdout)
     assert printed["rows"] == json.loads(json.dumps(result["rows"]))
+    assert printed["rollout_prompts"] == str(prompts.ref)
     bad = CliRunner().invoke(cli, [*args[:-1], "--factors", "lr"])
     assert bad.exit_code != 0 and "unknown ablation factor" in bad.output
 
