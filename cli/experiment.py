@@ -78,11 +78,13 @@ def _experiment_context(
 ) -> tuple[Any, Any]:
     """(config, RunContext) of an experiment command. It logs its progress to stderr also with
     --json (stdout then holds only the JSON): an experiment runs for minutes to hours.
-    `datasets`: existing datasets it reads, which must have been made with its target."""
+    `datasets`: existing datasets it reads (None: an option not given), which must have been made
+    with its target."""
     from pipeline.core.drafters import check_drafter_settings
     from pipeline.core.runner import RunContext
 
-    cfg, loader = command_target(command_config(profile, sets), profile, sets, datasets)
+    given = tuple(d for d in datasets if d is not None)
+    cfg, loader = command_target(command_config(profile, sets), profile, sets, given)
     # Every experiment trains a warm-up drafter: its settings must not fail after the stages
     # before it ran.
     check_drafter_settings(cfg.drafter, loader.target)
@@ -213,7 +215,7 @@ def opd_vs_sft_cmd(
         sets,
         as_json,
         "experiment-opd-vs-sft",
-        tuple(p for p in (eval_prompts, rollout_prompts) if p is not None),
+        (eval_prompts, rollout_prompts),
     )
     args = ["opd-vs-sft", "--profile", profile, *(f"--set={s}" for s in sets)]
     args += ["--seeds", str(seeds)]
@@ -297,7 +299,7 @@ def ablate_cmd(
         sets,
         as_json,
         "experiment-ablate",
-        (rollout_prompts,) if rollout_prompts else (),
+        (rollout_prompts,),
     )
     args = ["ablate", "--profile", profile, *(f"--set={s}" for s in sets)]
     args += ["--factors", ",".join(names), "--seeds", str(seeds)]
