@@ -100,12 +100,8 @@ def opd_vs_sft(
     """Run the experiment (see the module docstring); returns the result as JSON-able data.
 
     `budget` (row-steps per arm) defaults to `budget_ratio` x the warm-up's own budget.
-    `prompts`: use this dataset instead of running the prompts stage. `eval_prompts`: evaluate
-    τ on this prompts dataset's held-out split (per set) instead of the warm-up prompts', the
-    first `eval_max_prompts` of each set [default: evaluate.max_prompts]; the teacher-forced
-    held-out curve stays on the warm-up prompts' own. `rollout_prompts`: the OPD rounds and
-    continued SFT's fresh sequences draw on this dataset's train split (prompts the warm-up
-    never trained on) instead of the warm-up prompts'. `first_seed` (default
+    `prompts` (instead of running the prompts stage), `eval_prompts`, `eval_max_prompts` and
+    `rollout_prompts` go to `warm_up`, which says what each changes. `first_seed` (default
     `sft.seed`) lets separate processes run disjoint seeds against one root; a later run over
     all seeds reuses their datasets. `command`: the command line to quote in the report.
     `speed`: also time the first seed's drafters against plain decoding (`measure_speed`).
