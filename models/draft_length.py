@@ -72,6 +72,23 @@ def tau_from_alpha(alpha: Sequence[float], k: int) -> float:
     return tau
 
 
+def tau_change_by_offset(before: Sequence[float], after: Sequence[float]) -> list[float]:
+    """How much of tau(after) - tau(before) each draft offset carries (both alpha over the same
+    K offsets): offset k's share is what swapping its alpha from `before` to `after` adds once
+    offsets 1..k-1 already hold `after`'s. The shares sum to the whole change exactly. An offset
+    weighs by the chance of reaching it (the alphas before it), so with a low alpha_1 the later
+    offsets cannot move tau much whatever their own alphas do."""
+    if len(before) != len(after):
+        raise ValueError(f"alphas over {len(before)} and {len(after)} offsets; pass the same K")
+    k = len(before)
+    shares, prev = [], tau_from_alpha(before, k)
+    for i in range(1, k + 1):
+        now = tau_from_alpha([*after[:i], *before[i:]], k)
+        shares.append(now - prev)
+        prev = now
+    return shares
+
+
 def steps_from_log(records: Mapping[str, list], steps: Mapping[str, list]) -> list[LoggedStep]:
     """The calibration decode's `SpecResult.records` / `.steps` as one LoggedStep per step."""
     conf: dict[tuple[int, int], list[tuple[int, float]]] = {}

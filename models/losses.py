@@ -224,6 +224,7 @@ def draft_opd_loss(
     gamma: float = 0.8,
     lambda_accept: float = 1.0,
     lambda_reject: float = 1.0,
+    fit_boundary: bool = False,
 ) -> Tensor:
     """Draft-OPD on replayed blocks: forward KL on accepted drafts + gamma^k-decayed reverse KL on rejected.
 
@@ -232,6 +233,11 @@ def draft_opd_loss(
     rejected ones push q's mass off tokens p does not want (reverse KL), weighted gamma^k so early
     errors, which cut the accepted length most, dominate. One mean over all masked-in positions
     keeps the accepted/rejected balance the data's.
+
+    `fit_boundary`: the first rejected draft of each replay also takes forward KL, as in
+    `block_opd_loss`. Every draft before it was accepted, so its context is on the target's path
+    and its teacher is the distribution it should match: the state SFT trains (at the replay's
+    first position, the target's own prefix), which reverse KL alone only sharpens toward.
     """
     _check_mask(accepted, mask.shape, "accepted")
     if draft_logits.dim() != 3:
@@ -239,7 +245,12 @@ def draft_opd_loss(
     K = draft_logits.shape[1]
     weights = gamma ** torch.arange(K, device=draft_logits.device, dtype=torch.float32)  # [K]
     weights = weights.expand(mask.shape)
-    fkl_rows = _forward_kl_rows(*_rows(mask & accepted, draft_logits, teacher_probs))
+    fitted = accepted
+    if fit_boundary:
+        all_before = torch.cumprod(accepted.long(), dim=1).bool()  # [B, K] drafts 0..k accepted
+        on_path = torch.cat([torch.ones_like(accepted[:, :1]), all_before[:, :-1]], dim=1)
+        fitted = accepted | on_path  # [B, K] the accepted drafts and the boundary
+    fkl_rows = _forward_kl_rows(*_rows(mask & fitted, draft_logits, teacher_probs))
     rkl_rows = _reverse_kl_rows(*_rows(mask & ~accepted, draft_logits, teacher_probs))
     total = (
         lambda_accept * fkl_rows.sum()
@@ -408,6 +419,7 @@ def replay_loss(
     gamma: float = 0.8,
     lambda_accept: float = 1.0,
     lambda_reject: float = 1.0,
+    fit_boundary: bool = False,
     blocks: bool = False,
 ) -> Tensor:
     """The Draft-OPD objective on replayed blocks.
@@ -421,7 +433,17 @@ def replay_loss(
     scaled = logits / temperature
     if loss == "draft_opd":
         teacher = teacher_draft_probs(target_logits, vocab, temperature)
-        return (block_opd_loss if blocks else draft_opd_loss)(
+        if blocks:  # the block form always fits the boundary
+            return block_opd_loss(
+                scaled,
+                teacher,
+                accepted,
+                mask,
+                gamma=gamma,
+                lambda_accept=lambda_accept,
+                lambda_reject=lambda_reject,
+            )
+        return draft_opd_loss(
             scaled,
             teacher,
             accepted,
@@ -429,6 +451,7 @@ def replay_loss(
             gamma=gamma,
             lambda_accept=lambda_accept,
             lambda_reject=lambda_reject,
+            fit_boundary=fit_boundary,
         )
     if loss in ("reverse_kl_k1", "reverse_kl_k3"):
         draft_ids = vocab.to_draft(tokens)[..., None]  # [N, K, 1]

@@ -45,6 +45,7 @@ from typing import Any
 
 import polars as pl
 
+from models.draft_length import tau_change_by_offset
 from pipeline.core.report import figure, md_table, png
 from pipeline.core.runner import RunContext
 from pipeline.experiments.common import (
@@ -309,6 +310,42 @@ def _alpha_table(result: dict[str, Any]) -> pl.DataFrame:
     )
 
 
+TAU_CHANGES = (("sft_continued", "sft_warmup"), ("opd", "sft_warmup"), ("opd", "sft_continued"))
+"""(after, before) pairs whose change of tau the report splits over draft offsets."""
+
+
+def _mean_alphas(result: dict[str, Any]) -> dict[tuple[str, float], list[float]]:
+    """Each arm's acceptance per offset (mean over seeds) at each temperature, over all K
+    offsets: an offset decoding never reached accepted nothing there (0)."""
+    k = result["k"]
+
+    def padded(alpha: list[float]) -> list[float]:
+        return [*alpha, *[0.0] * (k - len(alpha))][:k]
+
+    out = {("sft_warmup", t): padded(result["warmup"]["alpha"][str(t)]) for t in TEMPERATURES}
+    for arm in ARMS:
+        for t in TEMPERATURES:
+            per_seed = [padded(r[arm]["alpha"][str(t)]) for r in result["runs"]]
+            out[arm, t] = [statistics.fmean(column) for column in zip(*per_seed, strict=True)]
+    return out
+
+
+def _tau_change_table(result: dict[str, Any]) -> pl.DataFrame:
+    """The change of tau between arms, split over the draft offsets that carry it
+    (`tau_change_by_offset`), from each arm's mean acceptance per offset."""
+    alphas = _mean_alphas(result)
+    rows = []
+    for t in TEMPERATURES:
+        for after, before in TAU_CHANGES:
+            shares = tau_change_by_offset(alphas[before, t], alphas[after, t])
+            rows.append(
+                {"temperature": t, "change": f"{ARM_NAMES[after]} − {ARM_NAMES[before]}"}
+                | {f"offset_{i + 1}": round(v, 4) for i, v in enumerate(shares)}
+                | {"total": round(sum(shares), 4)}
+            )
+    return pl.DataFrame(rows)
+
+
 def _speed_table(result: dict[str, Any]) -> pl.DataFrame:
     """One row per (arm, temperature) of the speed measurement (empty without `--speed`)."""
     arms = result.get("speed", {}).get("arms", {})
@@ -465,6 +502,7 @@ def _markdown(
     tau: pl.DataFrame,
     by_set: pl.DataFrame,
     alpha: pl.DataFrame,
+    changes: pl.DataFrame,
     plateau: pl.DataFrame,
     speed: pl.DataFrame,
     command: str | None,
@@ -518,15 +556,7 @@ def _markdown(
         md_table(tau),
         "",
         *_set_lines(by_set),
-        "## Acceptance by draft offset",
-        "",
-        "alpha_k: of the drafts decoding reached at offset k (a chain's k-th step, a block's "
-        "k-th slot), the share the target accepted; the same held-out decoding as τ, mean over "
-        "seeds (`alpha.parquet`). Where an arm gains shows here: early offsets lift every "
-        "step, late ones only the steps that got that far.",
-        "",
-        md_table(alpha),
-        "",
+        *_offset_lines(alpha, changes),
         *_speed_lines(result, speed),
         "## Where SFT plateaus: held-out τ against drafter row-steps",
         "",
@@ -571,6 +601,29 @@ def _curve_prompts(result: dict[str, Any]) -> str:
     )
 
 
+def _offset_lines(alpha: pl.DataFrame, changes: pl.DataFrame) -> list[str]:
+    """report.md's acceptance per draft offset and the offsets that carry τ's changes."""
+    return [
+        "## Acceptance by draft offset",
+        "",
+        "alpha_k: of the drafts decoding reached at offset k (a chain's k-th step, a block's "
+        "k-th slot), the share the target accepted; the same held-out decoding as τ, mean over "
+        "seeds (`alpha.parquet`). Where an arm gains shows here: early offsets lift every "
+        "step, late ones only the steps that got that far.",
+        "",
+        md_table(alpha),
+        "",
+        "Which offsets carry the change of τ between arms (`tau_changes.parquet`): offset k's "
+        "share is what swapping its alpha in, after offsets 1..k-1, adds to τ = 1 + Σ_k "
+        "Π_{i≤k} alpha_i; the shares sum to the change of that τ. An offset weighs by the "
+        "chance of reaching it, so while alpha_1 is low the later offsets move τ little "
+        "whatever their own gain.",
+        "",
+        md_table(changes),
+        "",
+    ]
+
+
 def _set_lines(by_set: pl.DataFrame) -> list[str]:
     if by_set["set"].n_unique() < 2:  # one set: the table above is it
         return []
@@ -611,6 +664,7 @@ def _opd_vs_sft_report(
     tau = _tau_table(result)
     by_set = _set_table(result)
     alpha = _alpha_table(result)
+    changes = _tau_change_table(result)
     curves = _curve_table(result)
     plateau = _plateau_table(curves)
     speed = _speed_table(result)
@@ -618,7 +672,7 @@ def _opd_vs_sft_report(
     warm = result["warmup"]
 
     def markdown() -> str:
-        return _markdown(result, tau, by_set, alpha, plateau, speed, command)
+        return _markdown(result, tau, by_set, alpha, changes, plateau, speed, command)
 
     config = {
         "experiment": "opd-vs-sft",
@@ -639,6 +693,7 @@ def _opd_vs_sft_report(
             "tau_summary": tau_summary(tau, ["arm"]),
             **({"tau_by_set": by_set} if not by_set.is_empty() else {}),
             "alpha": alpha,
+            "tau_changes": changes,
             "heldout_curve": curves,
             "plateau": plateau,
             **({"speed": speed} if not speed.is_empty() else {}),
@@ -654,6 +709,7 @@ def _opd_vs_sft_report(
         },
         markdown,
         headline,
+        report_version="2",  # 2: tau_changes, the offsets that carry each change of tau
     )
 
 

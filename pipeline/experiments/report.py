@@ -41,16 +41,18 @@ def write_report(
     plots: dict[str, Callable[[], bytes]],
     markdown: Callable[[], str],
     meta: dict[str, Any],
+    report_version: str = "1",
 ) -> Dataset:
     """An `experiment@VERSION` dataset: Parquet tables, PNG plots and report.md (manifest last).
 
     Its version is the experiment's kind and config plus every dataset it read, so re-running
-    an experiment whose datasets are all cached finds its report too.
+    an experiment whose datasets are all cached finds its report too; `report_version` changes
+    it when a kind's report gains tables, so a re-run writes the new report beside the old.
     """
     writer = ctx.store.writer(
         REPORT_NAME,
         stage=kind,
-        stage_version="1",
+        stage_version=report_version,
         config=config,
         inputs={role: ds.ref for role, ds in inputs.items()},
     )

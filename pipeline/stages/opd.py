@@ -72,7 +72,7 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor, nn
 
 from models import verify
@@ -93,6 +93,7 @@ from pipeline.core.checks import (
     check_same_target,
     check_same_vocab,
 )
+from pipeline.core.config import optional_field
 from pipeline.core.drafters import (
     drafter_kind,
     load_drafter_dataset,
@@ -132,6 +133,11 @@ class Config(TrainConfig):
     """draft_opd: rejected proposals at block position k (0-based) weigh gamma^k."""
     lambda_accept: float = Field(1.0, ge=0)
     lambda_reject: float = Field(1.0, ge=0)
+    fit_boundary: bool | None = optional_field(
+        "draft_opd on chains: the first rejected draft of each replay also takes forward KL to "
+        "its teacher (its context is all accepted, so its teacher is what it should match), as "
+        "the block form always does. Unset: reverse KL only there"
+    )
     temperature: float = Field(1.0, gt=0)
     """Temperature of the teacher p and of the drafter's q inside the losses. Positive even for a
     greedy (T=0) replay: a one-hot teacher makes the reverse KL infinite; the replay's own
@@ -164,6 +170,11 @@ class Config(TrainConfig):
     val_share: float = Field(0.1, ge=0, lt=1)
     """Share of rollout sequences held out (by seq_id) with all their replays."""
     val_every: int = Field(50, ge=1)
+
+    @field_validator("fit_boundary")
+    @classmethod
+    def _off_is_unset(cls, value: bool | None) -> bool | None:
+        return value or None  # off and unset are one version
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -398,6 +409,7 @@ def _replay_loss(
         gamma=cfg.gamma,
         lambda_accept=cfg.lambda_accept,
         lambda_reject=cfg.lambda_reject,
+        fit_boundary=bool(cfg.fit_boundary),
         blocks=drafter.drafts_blocks,
     )
 

@@ -13,6 +13,7 @@ from models.draft_length import (
     replay_step,
     steps_from_log,
     sweep,
+    tau_change_by_offset,
     tau_from_alpha,
 )
 
@@ -23,6 +24,27 @@ def test_tau_from_alpha():
     assert tau_from_alpha([0.5, 0.5, 1.0], 2) == pytest.approx(1.75)
     assert tau_from_alpha([0.5, 0.5, 1.0], 3) == pytest.approx(2.0)
     assert tau_from_alpha([0.9], 0) == 1.0
+
+
+def test_tau_change_splits_over_offsets_weighted_by_reaching_them():
+    before = [0.25, 0.3, 0.4, 0.5]
+    # one offset changed: the whole change is there, scaled by the chance of reaching it
+    only_third = tau_change_by_offset(before, [0.25, 0.3, 0.6, 0.5])
+    assert only_third[:2] == [0.0, 0.0] and only_third[3] == 0.0
+    assert only_third[2] == pytest.approx(0.25 * 0.3 * 0.2 * (1 + 0.5))
+    # the same +0.2 at the first offset moves tau far more: every later draft hangs on it
+    only_first = tau_change_by_offset(before, [0.45, 0.3, 0.4, 0.5])
+    assert only_first[0] == pytest.approx(0.2 * (1 + 0.3 + 0.3 * 0.4 + 0.3 * 0.4 * 0.5))
+    assert only_first[0] > 10 * only_third[2]
+    rng = random.Random(0)
+    for _ in range(20):
+        a = [rng.random() for _ in range(6)]
+        b = [rng.random() for _ in range(6)]
+        shares = tau_change_by_offset(a, b)
+        assert sum(shares) == pytest.approx(tau_from_alpha(b, 6) - tau_from_alpha(a, 6))
+    assert tau_change_by_offset(before, before) == [0.0] * 4
+    with pytest.raises(ValueError, match="same K"):
+        tau_change_by_offset(before, before[:3])
 
 
 def test_replay_step_under_k_and_threshold():

@@ -321,6 +321,26 @@ def test_draft_opd_loss_matches_brute_force_and_masks():
         draft_opd_loss(logits, teacher, accepted.float(), mask)
 
 
+def test_draft_opd_fit_boundary_adds_forward_kl_at_the_first_rejected_draft_only():
+    logits, teacher, mask = random_inputs(seed=5)
+    mask[:] = True
+    # row 0: boundary at 1 (draft 3 accepted after it, off the path); row 1: boundary at 0
+    accepted = torch.tensor([[True, False, False, True, False], [False] * 5])
+    base = draft_opd_loss(logits, teacher, accepted, mask)
+    got = draft_opd_loss(logits, teacher, accepted, mask, fit_boundary=True)
+    extra = 0.0
+    for b, k in [(0, 1), (1, 0)]:
+        q, p = logits[b, k].softmax(-1), teacher[b, k]
+        extra += (p * (p / q).log()).sum()
+    torch.testing.assert_close(got, base + extra / mask.sum())
+    # every draft accepted: no boundary, the same loss
+    all_in = torch.ones_like(accepted)
+    torch.testing.assert_close(
+        draft_opd_loss(logits, teacher, all_in, mask, fit_boundary=True),
+        draft_opd_loss(logits, teacher, all_in, mask),
+    )
+
+
 def test_block_opd_loss_matches_brute_force_by_stream():
     """Forward KL on the accepted slots and the boundary, gamma^k reverse KL from the boundary
     on, whatever a later slot's own outcome."""

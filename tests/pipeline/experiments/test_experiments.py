@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
+from models.draft_length import tau_from_alpha
 from models.losses import ReplayLoss
 from pipeline.core import drafters
 from pipeline.core.config import version_dict
@@ -135,11 +136,39 @@ def test_opd_vs_sft_writes_a_report_dataset(opd_vs_sft):
         assert got.item() == pytest.approx(sum(seeds) / len(seeds), abs=1e-3)
     warm_first = result["warmup"]["alpha"]["0.0"][0]
     assert 0.0 <= warm_first <= 1.0
+    # the change of tau between arms, split over offsets: the shares add up to the change of
+    # the tau the mean alphas give, and the first offset's share is its alpha change weighed
+    # by everything after it
+    changes = pl.read_parquet(report.file("tau_changes.parquet"))
+    assert changes.height == 3 * 2
+    k = result["k"]
+
+    def mean_alphas(arm: str, t: float) -> list[float]:
+        if arm == "sft_warmup":
+            seeds = [result["warmup"]["alpha"][str(t)]]
+        else:
+            seeds = [r[arm]["alpha"][str(t)] for r in result["runs"]]
+        padded = [[*a, *[0.0] * (k - len(a))] for a in seeds]
+        return [sum(col) / len(col) for col in zip(*padded, strict=True)]
+
+    for t in (0.0, 1.0):
+        row = changes.filter(
+            (pl.col("temperature") == t) & (pl.col("change") == "Draft-OPD − continued SFT")
+        ).row(0, named=True)
+        opd, cont = mean_alphas("opd", t), mean_alphas("sft_continued", t)
+        shares = [row[f"offset_{i}"] for i in range(1, k + 1)]
+        whole = tau_from_alpha(opd, k) - tau_from_alpha(cont, k)
+        assert sum(shares) == pytest.approx(whole, abs=1e-3) and row["total"] == pytest.approx(
+            whole, abs=1e-4
+        )
+        after_first = tau_from_alpha(cont[1:], k - 1)
+        assert shares[0] == pytest.approx((opd[0] - cont[0]) * after_first, abs=1e-4)
     for png in ("tau.png", "plateau.png"):
         assert report.file(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = report.file("report.md").read_text()
     assert "![held-out tau vs row-steps](plateau.png)" in md and "opd experiment ..." in md
     assert "## Acceptance by draft offset" in md and "alpha_1" in md
+    assert "Draft-OPD − continued SFT" in md and "offset_1" in md
     assert f"{result['opd_over_sft_continued']:.3f}" in md
     assert report.meta["tau_opd"] == result["tau_opd"]
     # the training-free baseline beside the arms, on the same prompts at each temperature

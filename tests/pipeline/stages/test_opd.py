@@ -20,6 +20,7 @@ from models.kv import KVCache
 from models.losses import replay_loss
 from models.vocab import DraftVocab
 from pipeline.core import drafters, training
+from pipeline.core.config import version_dict
 from pipeline.core.drafters import load_drafter_dataset
 from pipeline.core.runner import RunContext, run_stage
 from pipeline.core.targets import TargetLoader
@@ -232,6 +233,26 @@ def test_loss_on_hand_made_replays_equals_a_direct_computation(world, name):
         name, logits, shifted, b.tokens, accepted, mask, drafter.vocab, temperature=0.7
     )
     assert (other - want).abs() > 20 * (got - want).abs() + 1e-6
+
+
+def test_fit_boundary_reaches_the_loss_and_off_is_the_unset_version(world):
+    assert version_dict(opd.Config(fit_boundary=False)) == version_dict(opd.Config())
+    assert version_dict(opd.Config(fit_boundary=True))["fit_boundary"] is True
+    target = world["ctx"].target_loader.target
+    drafter = load_drafter(world["drafter"].path, target.embed_weight)
+    index = opd.ReplayIndex(world["replays"], world["rollouts"], full_sequences=False)
+    b = index.collate([0, 1, 2])
+    [out] = drafter.training_module()((b.features, b.loss_mask, (b.item, b.anchor, b.tokens), K))
+    logits = drafter.replay_logits(out, b.item, b.anchor)
+    target_logits = target.logits_from_hidden(b.teacher_hidden)
+    accepted, mask = opd.replay_outcomes(b.accept_prob, b.replay_length, "all", torch.Generator())
+    assert (mask & ~accepted).any()
+    args = (logits, target_logits, b.tokens, accepted, mask, drafter)
+    plain = opd._replay_loss(opd.Config(), *args)
+    fitted = opd._replay_loss(opd.Config(fit_boundary=True), *args)
+    want = replay_loss("draft_opd", *args[:-1], drafter.vocab, temperature=1.0, fit_boundary=True)
+    torch.testing.assert_close(fitted, want)
+    assert fitted > plain  # the boundary's forward KL is added, and it is positive here
 
 
 def test_later_steps_never_read_target_activations_past_the_prefix(world):
