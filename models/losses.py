@@ -433,26 +433,10 @@ def replay_loss(
     scaled = logits / temperature
     if loss == "draft_opd":
         teacher = teacher_draft_probs(target_logits, vocab, temperature)
+        weights = {"gamma": gamma, "lambda_accept": lambda_accept, "lambda_reject": lambda_reject}
         if blocks:  # the block form always fits the boundary
-            return block_opd_loss(
-                scaled,
-                teacher,
-                accepted,
-                mask,
-                gamma=gamma,
-                lambda_accept=lambda_accept,
-                lambda_reject=lambda_reject,
-            )
-        return draft_opd_loss(
-            scaled,
-            teacher,
-            accepted,
-            mask,
-            gamma=gamma,
-            lambda_accept=lambda_accept,
-            lambda_reject=lambda_reject,
-            fit_boundary=fit_boundary,
-        )
+            return block_opd_loss(scaled, teacher, accepted, mask, **weights)
+        return draft_opd_loss(scaled, teacher, accepted, mask, fit_boundary=fit_boundary, **weights)
     if loss in ("reverse_kl_k1", "reverse_kl_k3"):
         draft_ids = vocab.to_draft(tokens)[..., None]  # [N, K, 1]
         logq = scaled.log_softmax(-1).gather(-1, draft_ids)[..., 0]
