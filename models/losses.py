@@ -245,11 +245,8 @@ def draft_opd_loss(
     K = draft_logits.shape[1]
     weights = gamma ** torch.arange(K, device=draft_logits.device, dtype=torch.float32)  # [K]
     weights = weights.expand(mask.shape)
-    fitted = accepted
-    if fit_boundary:
-        all_before = torch.cumprod(accepted.long(), dim=1).bool()  # [B, K] drafts 0..k accepted
-        on_path = torch.cat([torch.ones_like(accepted[:, :1]), all_before[:, :-1]], dim=1)
-        fitted = accepted | on_path  # [B, K] the accepted drafts and the boundary
+    # [B, K] the accepted drafts, and with fit_boundary the first rejected one as well
+    fitted = accepted | _on_path(accepted)[0] if fit_boundary else accepted
     fkl_rows = _forward_kl_rows(*_rows(mask & fitted, draft_logits, teacher_probs))
     rkl_rows = _reverse_kl_rows(*_rows(mask & ~accepted, draft_logits, teacher_probs))
     total = (
@@ -257,6 +254,15 @@ def draft_opd_loss(
         + lambda_reject * (weights[mask & ~accepted] * rkl_rows).sum()
     )
     return total / max(int(mask.sum()), 1)
+
+
+def _on_path(accepted: Tensor) -> tuple[Tensor, Tensor]:
+    """accepted [B, K] -> (on the target's path: every earlier draft accepted, so the accepted
+    prefix and the boundary, the first rejected draft; all accepted up to and including k),
+    both [B, K] bool."""
+    all_before = torch.cumprod(accepted.long(), dim=1).bool()
+    on_path = torch.cat([torch.ones_like(accepted[:, :1]), all_before[:, :-1]], dim=1)
+    return on_path, all_before
 
 
 def block_opd_loss(
@@ -285,8 +291,7 @@ def block_opd_loss(
         raise ValueError(f"draft_logits must be [B, K, Vd], got {tuple(draft_logits.shape)}")
     K = draft_logits.shape[1]
     teacher = teacher_probs.detach()
-    all_before = torch.cumprod(accepted.long(), dim=1).bool()  # [B, K] slots 0..k all accepted
-    on_path = torch.cat([torch.ones_like(accepted[:, :1]), all_before[:, :-1]], dim=1)  # [B, K]
+    on_path, all_before = _on_path(accepted)
     rejected = ~all_before  # [B, K] the boundary and every slot after it
     weights = gamma ** torch.arange(K, device=draft_logits.device, dtype=torch.float32)
     weights = weights.expand(mask.shape)  # [B, K]
