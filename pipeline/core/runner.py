@@ -55,7 +55,8 @@ def output_version_config(stage: Stage, cfg: StrictConfig, ctx: RunContext) -> d
         raise OpdError(
             f"stage {stage.name} takes a {stage.config.__name__}, got {type(cfg).__name__}"
         )
-    out: dict[str, Any] = {"stage": version_dict(cfg)}
+    stage_cfg = version_dict(cfg) if stage.version_config is None else stage.version_config(cfg)
+    out: dict[str, Any] = {"stage": stage_cfg}
     if stage.version_extra is not None:  # e.g. the content hash of a source file
         try:
             out |= stage.version_extra(cfg)

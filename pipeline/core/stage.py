@@ -69,6 +69,9 @@ class Stage:
     lineage), run before the output's directory exists, so a refused run leaves nothing."""
     version_extra: Callable[[Any], dict] | None = None
     """Extra data hashed into the version (e.g. a source file's content hash)."""
+    version_config: Callable[[Any], dict] | None = None
+    """The config as the version records it, where that is not `version_dict(cfg)`: e.g. input
+    files by name when `version_extra` already hashes their content."""
     engine: Callable[[Any, Any], str | None] | None = None
     """engine(cfg, ctx): what a `backend: auto` setting resolves to on this machine; it is
     hashed into the version, since different engines write different (equally valid) tokens."""

@@ -57,7 +57,7 @@ from pydantic import Field, field_validator, model_validator
 from models import vllm_engine
 from models.tiny_target import corpus
 from models.tiny_target.tokenizer import CHAT_TEMPLATE
-from pipeline.core.config import StrictConfig, optional_field
+from pipeline.core.config import StrictConfig, optional_field, version_dict
 from pipeline.core.stage import HELDOUT_SETS, Stage
 from pipeline.core.targets import resolve_backend, resolve_dtype
 from storage import OpdError, sha256_file
@@ -913,6 +913,22 @@ SCHEMA = pa.schema(
 _ROWS_PER_SHARD = 2048
 
 
+def version_config(cfg: PromptsConfig) -> dict:
+    """The config as the version records it: files by name, not by the path that reached them.
+    Rows carry only a file's name (`NAME:N`, `SET:ID`) and `version_extra` hashes its content,
+    so `../shared/x.jsonl`, its absolute path, or a copy in another checkout is one version."""
+    out = version_dict(cfg)
+    if _is_file_source(cfg.source):
+        out["source"] = Path(cfg.source).name
+    if cfg.heldout_sets:
+        out["heldout_sets"] = [heldout_set_name(s) for s in cfg.heldout_sets]
+    return out
+
+
+def _is_file_source(source: str) -> bool:
+    return source not in ("embedded", "magpie") and not source.startswith(HF_PREFIX)
+
+
 def version_extra(cfg: PromptsConfig) -> dict:
     """The content of the sources, so an edited file or another stdlib is a new version (magpie's
     content is the target's, which the version already holds)."""
@@ -975,8 +991,12 @@ def run(cfg: PromptsConfig, inputs, output, rank: int, world_size: int, ctx) -> 
             )
     counts = Counter((r["split"], r["kind"]) for r in rows)
     sets = [heldout_set_name(s) for s in cfg.heldout_sets or ()]
+    files = {"source": cfg.source} if _is_file_source(cfg.source) else {}
+    files |= {"heldout_sets": cfg.heldout_sets} if cfg.heldout_sets else {}
     return {
         **({HELDOUT_SETS: sets} if sets else {}),
+        # the version names files only (version_config); where they lay is provenance
+        **({"paths": files} if files else {}),
         "rows": len(rows),
         "by_split_kind": {f"{s}/{k}": n for (s, k), n in sorted(counts.items())},
         "skipped": dict(skipped),
@@ -992,6 +1012,7 @@ STAGE = Stage(
     doc="prompts from the embedded corpus, your JSONL/Parquet or a `datasets` split (hf:NAME), "
     "split train / held-out",
     uses_target=True,  # the target's tokenizer defines the ids
+    version_config=version_config,
     version_extra=version_extra,
     engine=magpie_engine,
 )

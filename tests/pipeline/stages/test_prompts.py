@@ -639,3 +639,34 @@ def test_usable_request_keeps_sentences_and_drops_fragments():
     assert prompts._usable_request("Can you suggest a recipe for dinner tonight?")
     assert not prompts._usable_request("hi")
     assert not prompts._usable_request("{{ ]] ## 12 34 ;; ::")
+
+
+FILES = ("train.jsonl", "mt_bench.jsonl")
+
+
+def test_the_version_follows_file_names_and_contents_not_the_path_that_reached_them(
+    tiny, tmp_path, monkeypatch
+):
+    _, ctx, _, _ = tiny
+    chats = [json.dumps({"messages": [{"role": "user", "content": f"Task {i}"}]}) for i in range(9)]
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        write_jsonl(tmp_path / d / "train.jsonl", chats)
+        question_file(tmp_path / d / "mt_bench.jsonl", [f"Question {i}?" for i in range(3)])
+
+    def cfg(train: str, bench: str) -> PromptsConfig:
+        return PromptsConfig(source=train, heldout_sets=[bench], max_heldout_rows=2)
+
+    first = run_stage(prompts.STAGE, cfg(*(str(tmp_path / "a" / f) for f in FILES)), {}, ctx)
+    assert first.dataset.meta["paths"]["source"] == str(tmp_path / "a" / "train.jsonl")
+    # The copies in b/, reached by relative paths from another directory: the same version.
+    monkeypatch.chdir(tmp_path / "a")
+    again = run_stage(prompts.STAGE, cfg(*(f"../b/{f}" for f in FILES)), {}, ctx)
+    assert again.reused and again.ref == first.ref
+    # Rows name the file (train.jsonl:N), so another name is another version, as is other content.
+    (tmp_path / "b" / "train.jsonl").rename(tmp_path / "b" / "more.jsonl")
+    renamed = run_stage(prompts.STAGE, cfg("../b/more.jsonl", "../b/mt_bench.jsonl"), {}, ctx)
+    assert not renamed.reused and renamed.ref != first.ref
+    question_file(tmp_path / "b" / "mt_bench.jsonl", ["Another question?"] * 3)
+    edited = run_stage(prompts.STAGE, cfg("../b/more.jsonl", "../b/mt_bench.jsonl"), {}, ctx)
+    assert edited.ref not in (first.ref, renamed.ref)
