@@ -48,6 +48,31 @@ _ROLLOUT_PROMPTS = click.option(
     "dataset's train split, prompts the warm-up never trained on (e.g. made by the prompts "
     "stage with another prompts.seed) [default: the warm-up prompts'].",
 )
+_DRAFTER_KIND = click.option(
+    "--drafter-kind",
+    type=click.Choice(list(KINDS)),
+    default=DEFAULT_KIND,
+    show_default=True,
+    help="The student every arm or variant trains (drafter.kind): "
+    + ", ".join(f"{s.name} ({s.title})" for s in KINDS.values())
+    + ".",
+)
+_EVAL_PROMPTS = click.option(
+    "--eval-prompts",
+    "eval_prompts_ref",
+    default=None,
+    help="Evaluate tau on this prompts dataset's held-out split, per set (e.g. one made with "
+    "--set prompts.heldout_sets=[mt_bench,gsm8k,humaneval]) [default: the warm-up prompts']. "
+    "The teacher-forced held-out curve stays on the warm-up prompts' own split, so adding it "
+    "later retrains nothing.",
+)
+_EVAL_MAX_PROMPTS = click.option(
+    "--eval-max-prompts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prompts per held-out set that every evaluation decodes [default: evaluate.max_prompts, "
+    "which also sizes the held-out validation sequences: changing that one retrains the arms].",
+)
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 
 
@@ -142,15 +167,7 @@ def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
     show_default=True,
     help="Budget per arm as a share of the SFT warm-up's row-steps.",
 )
-@click.option(
-    "--drafter-kind",
-    type=click.Choice(list(KINDS)),
-    default=DEFAULT_KIND,
-    show_default=True,
-    help="The student every arm trains (drafter.kind): "
-    + ", ".join(f"{s.name} ({s.title})" for s in KINDS.values())
-    + ".",
-)
+@_DRAFTER_KIND
 @click.option(
     "--sft-data-temperature",
     type=float,
@@ -164,22 +181,8 @@ def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
     help="Also time the first seed's warm-up, continued-SFT and Draft-OPD drafters against "
     "plain decoding on the held-out prompts, side by side, into the report.",
 )
-@click.option(
-    "--eval-prompts",
-    "eval_prompts_ref",
-    default=None,
-    help="Evaluate tau on this prompts dataset's held-out split, per set (e.g. one made with "
-    "--set prompts.heldout_sets=[mt_bench,gsm8k,humaneval]) [default: the warm-up prompts']. "
-    "The teacher-forced held-out curve stays on the warm-up prompts' own split, so adding it "
-    "later retrains nothing.",
-)
-@click.option(
-    "--eval-max-prompts",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Prompts per held-out set that every evaluation decodes [default: evaluate.max_prompts, "
-    "which also sizes the held-out validation sequences: changing that one retrains the arms].",
-)
+@_EVAL_PROMPTS
+@_EVAL_MAX_PROMPTS
 @click.pass_obj
 def opd_vs_sft_cmd(
     store: Store,
@@ -255,7 +258,8 @@ def opd_vs_sft_cmd(
     show_default=True,
     help="Comma-separated factors to vary, one at a time around the OPD defaults: loss (every "
     "opd.loss), replays (greedy vs sampled at T=1), rounds (1-4), samples (replays per anchor "
-    "at T=1: 1, 2, 4), gamma (0.5, 0.8, 1.0).",
+    "at T=1: 1, 2, 4), anchors (accepted anchors per rejected one: 0, the profile's, 1), gamma "
+    "(0.5, 0.8, 1.0).",
 )
 @click.option(
     "--seeds",
@@ -272,6 +276,9 @@ def opd_vs_sft_cmd(
     help="Budget per variant as a share of the SFT warm-up's row-steps (small, so the default "
     "grid, 4 loss families x 2 seeds, takes an estimated 40 min on the default profile).",
 )
+@_DRAFTER_KIND
+@_EVAL_PROMPTS
+@_EVAL_MAX_PROMPTS
 @click.pass_obj
 def ablate_cmd(
     store: Store,
@@ -281,6 +288,9 @@ def ablate_cmd(
     seeds: int,
     budget: int | None,
     budget_ratio: float,
+    drafter_kind: str,
+    eval_prompts_ref: str | None,
+    eval_max_prompts: int | None,
     prompts_ref: str | None,
     rollout_prompts_ref: str | None,
     as_json: bool,
@@ -292,6 +302,8 @@ def ablate_cmd(
     from pipeline.experiments import ablate as ablation
 
     names = [f.strip() for f in factors.split(",") if f.strip()]
+    sets = _with_drafter_kind(sets, drafter_kind)
+    eval_prompts = _prompts_option(store, eval_prompts_ref, "--eval-prompts")
     rollout_prompts = _prompts_option(store, rollout_prompts_ref, "--rollout-prompts")
     cfg, ctx = _experiment_context(
         store,
@@ -299,13 +311,15 @@ def ablate_cmd(
         sets,
         as_json,
         "experiment-ablate",
-        (rollout_prompts,),
+        (eval_prompts, rollout_prompts),
     )
     args = ["ablate", "--profile", profile, *(f"--set={s}" for s in sets)]
     args += ["--factors", ",".join(names), "--seeds", str(seeds)]
     args += ["--budget", str(budget)] if budget else ["--budget-ratio", f"{budget_ratio:g}"]
     args += ["--prompts", prompts_ref] if prompts_ref else []
+    args += ["--eval-prompts", eval_prompts_ref] if eval_prompts_ref else []
     args += ["--rollout-prompts", rollout_prompts_ref] if rollout_prompts_ref else []
+    args += ["--eval-max-prompts", str(eval_max_prompts)] if eval_max_prompts else []
     result = ablation.ablate(
         cfg,
         ctx,
@@ -314,6 +328,8 @@ def ablate_cmd(
         budget=budget,
         budget_ratio=budget_ratio,
         prompts=store.open(prompts_ref) if prompts_ref else None,
+        eval_prompts=eval_prompts,
+        eval_max_prompts=eval_max_prompts,
         rollout_prompts=rollout_prompts,
         command=_command_line(store, args),
     )

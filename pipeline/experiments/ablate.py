@@ -1,11 +1,13 @@
 """`opd experiment ablate`: one-factor-at-a-time ablations of Draft-OPD.
 
 Around the OPD defaults (the profile's config), it varies one factor at a time (loss
-family, greedy vs sampled replays, rounds, replays per anchor, gamma), always from the same
-warm-up and with the same total drafter budget, and evaluates every variant at T=0 and T=1 for
-each seed. Variants share every dataset whose config they share (the stage cache: e.g. the
-greedy round-1 rollout is one dataset for every loss family), and the report dataset holds the
-table of tau per variant and the plot.
+family, greedy vs sampled replays, rounds, replays per anchor, where replays start, gamma),
+always from the same warm-up and with the same total drafter budget, and evaluates every variant
+at T=0 and T=1 for each seed. Every variant validates on opd-vs-sft's held-out sequences, so the
+variant equal to the defaults is opd-vs-sft's Draft-OPD arm itself (one dataset). Variants share
+every dataset whose config they share (the stage cache: e.g. the greedy round-1 rollout is one
+dataset for every loss family), and the report dataset holds the table of tau per variant and
+the plot.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pipeline.experiments.common import (
     Runner,
     arm_budget,
     check_arm_options,
+    heldout_config,
     opd_arm,
     save_result,
     seed_stats,
@@ -36,6 +39,7 @@ from pipeline.experiments.common import (
 )
 from pipeline.experiments.report import plot_tau, tau_summary, warm_taus, write_report
 from pipeline.profiles import PipelineConfig
+from pipeline.stages import rollout
 from storage import Dataset, OpdError
 
 log = logging.getLogger("opd")
@@ -83,6 +87,12 @@ FACTORS: dict[str, Callable[[PipelineConfig], list[tuple[str, PipelineConfig]]]]
     "rounds": lambda cfg: [(str(n), cfg.model_copy(update={"rounds": n})) for n in (1, 2, 3, 4)],
     # several replays per anchor only differ when sampled, so this factor samples at T=1
     "samples": lambda cfg: [(f"{n} (T=1)", _replays(cfg, 1.0, n)) for n in (1, 2, 4)],
+    # accepted anchors as a share of the rejected ones: none (the drafter's errors only), the
+    # profile's, and as many as there are rejected ones
+    "anchors": lambda cfg: [
+        (f"accepted {s:g}x", _update(cfg, score={"accepted_share": s}))
+        for s in sorted({0.0, cfg.score.accepted_share, 1.0})
+    ],
     "gamma": lambda cfg: [
         (f"{g:g}", _update(cfg, opd={"gamma": g})) for g in sorted({0.5, 0.8, 1.0, cfg.opd.gamma})
     ],
@@ -120,18 +130,26 @@ def ablate(
     budget: int | None = None,
     budget_ratio: float = 0.25,
     prompts: Dataset | None = None,
+    eval_prompts: Dataset | None = None,
+    eval_max_prompts: int | None = None,
     rollout_prompts: Dataset | None = None,
     command: str | None = None,
 ) -> dict[str, Any]:
     """OPD variants, one factor at a time, from opd-vs-sft's warm-up at one drafter budget
     (`budget`, else `budget_ratio` x the warm-up's; split over each variant's rounds), each
-    evaluated at T=0 and T=1 for every seed; the rollouts draw on `rollout_prompts`' train split
-    when given (`warm_up`). Returns the result as JSON-able data."""
+    evaluated at T=0 and T=1 for every seed. `prompts`, `eval_prompts`, `eval_max_prompts` and
+    `rollout_prompts` go to `warm_up`, as for opd-vs-sft. Returns the result as JSON-able data."""
     check_arm_options(cfg, seeds=seeds, budget=budget, budget_ratio=budget_ratio)
     variants = ablation_variants(cfg, factors)
     run = Runner(ctx)
-    warm = warm_up(run, cfg, prompts, rollout_prompts=rollout_prompts)
+    warm = warm_up(run, cfg, prompts, eval_prompts, eval_max_prompts, rollout_prompts)
     budget = arm_budget(warm, budget, budget_ratio)
+    heldout = run.stage(
+        "heldout",
+        rollout.STAGE,
+        heldout_config(cfg),
+        {"prompts": warm.prompts, "drafter": warm.drafter},
+    )
     log.info(
         "[ablate] %d variants x %d seeds from %s, %d row-steps each",
         len(variants),
@@ -143,7 +161,8 @@ def ablate(
     for v in variants:
         per_seed = []
         for seed in range(cfg.sft.seed, cfg.sft.seed + seeds):
-            arm = opd_arm(run, v.cfg, seed, budget, warm, key=f"{v.factor}={v.level}:s{seed}")
+            key = f"{v.factor}={v.level}:s{seed}"
+            arm = opd_arm(run, v.cfg, seed, budget, warm, key=key, heldout=heldout)
             per_seed.append(
                 {"seed": seed} | {k: arm[k] for k in ("drafter", "budget_row_steps", "tau")}
             )
@@ -168,6 +187,7 @@ def ablate(
             "tau": warm.tau,
         },
         "rollout_prompts": str(warm.rollout_prompts.ref),
+        "eval_prompts": str(warm.eval_prompts.ref),
         "rows": rows,
     }
     report = _ablate_report(ctx, run, result, command)

@@ -394,7 +394,8 @@ def test_continued_sft_data_covers_every_prompt_the_opd_rounds_draft_on():
 
 def test_ablation_variants_vary_one_factor_around_the_defaults():
     cfg = load_config("tiny")
-    variants = ablate.ablation_variants(cfg, ["loss", "replays", "rounds", "samples", "gamma"])
+    factors = ["loss", "replays", "rounds", "samples", "anchors", "gamma"]
+    variants = ablate.ablation_variants(cfg, factors)
     by_factor: dict[str, list] = {}
     for v in variants:
         by_factor.setdefault(v.factor, []).append(v)
@@ -408,10 +409,23 @@ def test_ablation_variants_vary_one_factor_around_the_defaults():
     assert [v.cfg.rounds for v in by_factor["rounds"]] == [1, 2, 3, 4]
     assert [v.cfg.score.samples for v in by_factor["samples"]] == [1, 2, 4]
     assert all(v.cfg.score.temperature == 1.0 for v in by_factor["samples"])
+    assert [v.cfg.score.accepted_share for v in by_factor["anchors"]] == [0.0, 0.1, 1.0]
+    assert [v.level for v in by_factor["anchors"]] == [
+        "accepted 0x",
+        "accepted 0.1x",
+        "accepted 1x",
+    ]
     assert [v.cfg.opd.gamma for v in by_factor["gamma"]] == [0.5, 0.8, 1.0]
-    # the baseline (tiny: draft_opd, greedy, 2 rounds, gamma 0.8) is the default level of each
+    # the baseline (tiny: draft_opd, greedy, 2 rounds, 0.1 accepted anchors per rejected one,
+    # gamma 0.8) is the default level of each
     defaults = {v.factor: v.level for v in variants if v.default}
-    assert defaults == {"loss": "draft_opd", "replays": "greedy", "rounds": "2", "gamma": "0.8"}
+    assert defaults == {
+        "loss": "draft_opd",
+        "replays": "greedy",
+        "rounds": "2",
+        "anchors": "accepted 0.1x",
+        "gamma": "0.8",
+    }
     for v in variants:  # one factor at a time: everything else is the baseline
         assert v.cfg.opd.lr == cfg.opd.lr and v.cfg.drafting == cfg.drafting
     with pytest.raises(OpdError, match="unknown ablation factor.*--factors"):
@@ -441,6 +455,8 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     assert rows["gamma", "0.5"]["runs"][0]["drafter"] != rows["gamma", "0.8"]["runs"][0]["drafter"]
     sampled = store.open(rows["replays", "sampled"]["runs"][0]["drafter"])
     assert store.open(sampled.inputs["replays"]).config["stage"]["temperature"] == 1.0
+    # validated on opd-vs-sft's held-out sequences, so the default variant is its OPD arm
+    assert store.open(sampled.inputs["heldout"]).config["stage"]["temperature"] == 0.0
     for r in result["rows"]:
         assert r["tau_std"] == 0.0 and len(r["tau_t1_per_seed"]) == 1
         assert r["runs"][0]["budget_row_steps"] >= result["budget_row_steps"]
