@@ -163,9 +163,8 @@ def ablate(
         for seed in range(cfg.sft.seed, cfg.sft.seed + seeds):
             key = f"{v.factor}={v.level}:s{seed}"
             arm = opd_arm(run, v.cfg, seed, budget, warm, key=key, heldout=heldout)
-            per_seed.append(
-                {"seed": seed} | {k: arm[k] for k in ("drafter", "budget_row_steps", "tau")}
-            )
+            kept = ("drafter", "budget_row_steps", "replays", "tau", "alpha", "by_set")
+            per_seed.append({"seed": seed} | {k: arm[k] for k in kept})
         row: dict[str, Any] = {"factor": v.factor, "level": v.level, "default": v.default}
         for t in TEMPERATURES:
             values = [r["tau"][str(t)] for r in per_seed]
@@ -216,6 +215,73 @@ def _ablation_table(result: dict[str, Any]) -> pl.DataFrame:
     return pl.DataFrame(rows)
 
 
+def _alpha_table(result: dict[str, Any]) -> pl.DataFrame:
+    """One row per (variant, seed, temperature, draft offset): the evaluated acceptance there
+    (offset 1 = the first drafted token: a chain's first step, a block's first slot)."""
+    rows = [
+        {
+            "factor": row["factor"],
+            "level": row["level"],
+            "seed": r["seed"],
+            "temperature": t,
+            "offset": k + 1,
+            "alpha": a,
+        }
+        for row in result["rows"]
+        for r in row["runs"]
+        for t in TEMPERATURES
+        for k, a in enumerate(r["alpha"][str(t)])
+    ]
+    return pl.DataFrame(rows)
+
+
+def _mean_alpha(row: dict[str, Any], t: float, k: int) -> list[float]:
+    """A variant's acceptance per offset at `t`, mean over seeds; an offset a seed's decoding
+    never reached accepted nothing there (0), as in opd-vs-sft's split of τ over offsets."""
+    per_seed = [[*r["alpha"][str(t)], *[0.0] * k][:k] for r in row["runs"]]
+    return [statistics.fmean(column) for column in zip(*per_seed, strict=True)]
+
+
+def _set_names(result: dict[str, Any]) -> list[str]:
+    """The held-out sets the evaluations report τ for (none when the prompts name no sets)."""
+    first = result["rows"][0]["runs"][0]["by_set"]
+    return sorted(first.get("0.0", {}))
+
+
+def _detail_lines(result: dict[str, Any]) -> list[str]:
+    """report.md's acceptance per offset and τ per held-out set, per variant (mean of seeds)."""
+    k = result["k"]
+    lines = [
+        "",
+        "## Acceptance per draft offset (mean over seeds)",
+        "",
+        "| factor | level | T | " + " | ".join(f"α{i}" for i in range(1, k + 1)) + " |",
+        "|---|---|---|" + "---|" * k,
+    ]
+    for row in result["rows"]:
+        for t in TEMPERATURES:
+            alpha = " | ".join(f"{a:.3f}" for a in _mean_alpha(row, t, k))
+            lines.append(f"| {row['factor']} | {row['level']} | {t:g} | {alpha} |")
+    names = _set_names(result)
+    if names:
+        lines += [
+            "",
+            "## τ per held-out set (mean over seeds)",
+            "",
+            "| factor | level | T | " + " | ".join(names) + " |",
+            "|---|---|---|" + "---|" * len(names),
+        ]
+        for row in result["rows"]:
+            for t in TEMPERATURES:
+                taus = [
+                    statistics.fmean(r["by_set"][str(t)][name] for r in row["runs"])
+                    for name in names
+                ]
+                cells = " | ".join(f"{v:.3f}" for v in taus)
+                lines.append(f"| {row['factor']} | {row['level']} | {t:g} | {cells} |")
+    return lines
+
+
 def _ablate_report(
     ctx: RunContext, run: Runner, result: dict[str, Any], command: str | None
 ) -> Dataset:
@@ -259,9 +325,11 @@ def _ablate_report(
                 f"| {r['factor']} | {level} | {r['tau']:.3f} ± {r['tau_std']:.3f} "
                 f"| {r['tau_t1']:.3f} ± {r['tau_t1_std']:.3f} | {per[0]} | {per[1]} |"
             )
+        lines += _detail_lines(result)
         lines += [
             "",
-            "Per seed with the drafters: `ablation.parquet`; per variant: `ablation_summary.parquet`.",
+            "Per seed with the drafters: `ablation.parquet`; per variant: "
+            "`ablation_summary.parquet`; acceptance per offset and seed: `ablation_alpha.parquet`.",
         ]
         return "\n".join(lines)
 
@@ -280,6 +348,7 @@ def _ablate_report(
         {
             "ablation": table,
             "ablation_summary": tau_summary(table, ["factor", "level", "default"]),
+            "ablation_alpha": _alpha_table(result),
         },
         {
             "ablation": lambda: plot_tau(
@@ -296,6 +365,8 @@ def _ablate_report(
         },
         markdown,
         headline,
+        # 2: acceptance per offset and τ per held-out set
+        report_version="2",
     )
 
 

@@ -470,6 +470,17 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     assert report.file("ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = report.file("report.md").read_text()
     assert "![tau per variant](ablation.png)" in md and "| gamma | 0.8 * |" in md
+    # acceptance per offset: each seed's evaluation, as its eval dataset recorded it
+    alpha = pl.read_parquet(report.file("ablation_alpha.parquet"))
+    sampled_run = rows["replays", "sampled"]["runs"][0]
+    for t in (0.0, 1.0):
+        recorded = alpha.filter((pl.col("level") == "sampled") & (pl.col("temperature") == t)).sort(
+            "offset"
+        )
+        assert recorded["alpha"].to_list() == sampled_run["alpha"][str(t)]
+    assert "## Acceptance per draft offset (mean over seeds)" in md
+    first = " | ".join(f"{a:.3f}" for a in sampled_run["alpha"]["0.0"])
+    assert f"| replays | sampled | 0 | {first}" in md
 
     # the CLI: the same (cached) result as JSON
     args = ["--root", str(store.root), "experiment", "ablate", "--profile", "tiny"]
