@@ -30,7 +30,7 @@ from pipeline.experiments.common import (
     Runner,
     arm_budget,
     check_arm_options,
-    heldout_config,
+    heldout_sequences,
     opd_arm,
     save_result,
     seed_stats,
@@ -39,7 +39,6 @@ from pipeline.experiments.common import (
 )
 from pipeline.experiments.report import plot_tau, tau_summary, warm_taus, write_report
 from pipeline.profiles import PipelineConfig
-from pipeline.stages import rollout
 from storage import Dataset, OpdError
 
 log = logging.getLogger("opd")
@@ -144,12 +143,7 @@ def ablate(
     run = Runner(ctx)
     warm = warm_up(run, cfg, prompts, eval_prompts, eval_max_prompts, rollout_prompts)
     budget = arm_budget(warm, budget, budget_ratio)
-    heldout = run.stage(
-        "heldout",
-        rollout.STAGE,
-        heldout_config(cfg),
-        {"prompts": warm.prompts, "drafter": warm.drafter},
-    )
+    heldout = heldout_sequences(run, cfg, warm)
     log.info(
         "[ablate] %d variants x %d seeds from %s, %d row-steps each",
         len(variants),

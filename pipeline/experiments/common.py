@@ -379,6 +379,18 @@ def heldout_config(cfg: PipelineConfig) -> rollout.Config:
     )
 
 
+def heldout_sequences(run: Runner, cfg: PipelineConfig, warm: Warmup) -> Dataset:
+    """The warm-up drafter's greedy rollout of the prompts evaluate decodes (`heldout_config`):
+    the sequences every arm and variant validates on. One function for opd-vs-sft and ablate,
+    so an ablation's default variant is opd-vs-sft's Draft-OPD arm, the same dataset."""
+    return run.stage(
+        "heldout",
+        rollout.STAGE,
+        heldout_config(cfg),
+        {"prompts": warm.prompts, "drafter": warm.drafter},
+    )
+
+
 def _rollout_seed(temperature: float, seed: int, cfg: PipelineConfig) -> int:
     """A greedy rollout does not depend on its seed: keep one, so seeds share the dataset."""
     return seed if temperature > 0 else cfg.rollout.seed

@@ -57,7 +57,7 @@ from pipeline.experiments.common import (
     Warmup,
     arm_budget,
     check_arm_options,
-    heldout_config,
+    heldout_sequences,
     measure_speed,
     opd_arm,
     save_result,
@@ -76,7 +76,6 @@ from pipeline.experiments.report import (
     write_report,
 )
 from pipeline.profiles import PipelineConfig
-from pipeline.stages import rollout
 from storage import Dataset
 
 log = logging.getLogger("opd")
@@ -124,12 +123,7 @@ def opd_vs_sft(
         warm.budget,
         budget,
     )
-    heldout = run.stage(
-        "heldout",
-        rollout.STAGE,
-        heldout_config(cfg),
-        {"prompts": warm.prompts, "drafter": warm.drafter},
-    )
+    heldout = heldout_sequences(run, cfg, warm)
     runs = []
     first = cfg.sft.seed if first_seed is None else first_seed
     for seed in range(first, first + seeds):
