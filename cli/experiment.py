@@ -73,6 +73,13 @@ _EVAL_MAX_PROMPTS = click.option(
     help="Prompts per held-out set that every evaluation decodes [default: evaluate.max_prompts, "
     "which also sizes the held-out validation sequences: changing that one retrains the arms].",
 )
+_FIRST_SEED = click.option(
+    "--first-seed",
+    type=int,  # bounded by check_arm_options, a one-line error like every refusal
+    default=None,
+    help="First seed of the arms or variants [default: sft.seed]; the warm-up keeps sft.seed, "
+    "so processes running disjoint seeds share it.",
+)
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 
 
@@ -153,13 +160,7 @@ def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
     show_default=True,
     help="Seeds per arm (mean and spread over them).",
 )
-@click.option(
-    "--first-seed",
-    type=int,  # bounded by check_arm_options, a one-line error like every refusal
-    default=None,
-    help="First seed of the arms [default: sft.seed]; the warm-up keeps sft.seed, so processes "
-    "running disjoint seeds share it.",
-)
+@_FIRST_SEED
 @click.option(
     "--budget-ratio",
     type=float,  # bounded by check_arm_options, a one-line error like every refusal
@@ -262,12 +263,20 @@ def opd_vs_sft_cmd(
     "(0.5, 0.8, 1.0).",
 )
 @click.option(
+    "--levels",
+    default=None,
+    help='Comma-separated level labels to run, as the report names them (e.g. "accepted '
+    '0x,accepted 0.1x"); default: every level of --factors. For a machine that has time for '
+    "some levels: the report covers the levels run.",
+)
+@click.option(
     "--seeds",
     type=click.IntRange(min=1),
     default=2,
     show_default=True,
     help="Seeds per variant (mean and spread over them).",
 )
+@_FIRST_SEED
 @click.option(
     "--budget-ratio",
     type=float,  # bounded by check_arm_options, a one-line error like every refusal
@@ -285,7 +294,9 @@ def ablate_cmd(
     profile: str,
     sets: tuple[str, ...],
     factors: str,
+    levels: str | None,
     seeds: int,
+    first_seed: int | None,
     budget: int | None,
     budget_ratio: float,
     drafter_kind: str,
@@ -302,6 +313,7 @@ def ablate_cmd(
     from pipeline.experiments import ablate as ablation
 
     names = [f.strip() for f in factors.split(",") if f.strip()]
+    labels = None if levels is None else [x.strip() for x in levels.split(",") if x.strip()]
     sets = _with_drafter_kind(sets, drafter_kind)
     eval_prompts = _prompts_option(store, eval_prompts_ref, "--eval-prompts")
     rollout_prompts = _prompts_option(store, rollout_prompts_ref, "--rollout-prompts")
@@ -315,6 +327,8 @@ def ablate_cmd(
     )
     args = ["ablate", "--profile", profile, *(f"--set={s}" for s in sets)]
     args += ["--factors", ",".join(names), "--seeds", str(seeds)]
+    args += ["--levels", ",".join(labels)] if labels is not None else []
+    args += ["--first-seed", str(first_seed)] if first_seed is not None else []
     args += ["--budget", str(budget)] if budget else ["--budget-ratio", f"{budget_ratio:g}"]
     args += ["--prompts", prompts_ref] if prompts_ref else []
     args += ["--eval-prompts", eval_prompts_ref] if eval_prompts_ref else []
@@ -324,7 +338,9 @@ def ablate_cmd(
         cfg,
         ctx,
         factors=names,
+        levels=labels,
         seeds=seeds,
+        first_seed=first_seed,
         budget=budget,
         budget_ratio=budget_ratio,
         prompts=store.open(prompts_ref) if prompts_ref else None,

@@ -104,8 +104,12 @@ DEFAULT_FACTORS = ("loss",)
 factors are secondary to; 4 families x 2 seeds, an estimated 40 min on the default profile (docs/reference.md: Experiments)."""
 
 
-def ablation_variants(cfg: PipelineConfig, factors: Sequence[str]) -> list[Variant]:
-    """Every level of every factor, in order; a level equal to the baseline is marked default."""
+def ablation_variants(
+    cfg: PipelineConfig, factors: Sequence[str], levels: Sequence[str] | None = None
+) -> list[Variant]:
+    """Every level of every factor, in order, or only the levels labelled in `levels` (a label
+    selects that level in every factor that has it); a level equal to the baseline is marked
+    default."""
     unknown = [f for f in factors if f not in FACTORS]
     if unknown or not factors:
         raise OpdError(
@@ -113,11 +117,21 @@ def ablation_variants(cfg: PipelineConfig, factors: Sequence[str]) -> list[Varia
             f"of {','.join(FACTORS)}"
         )
     base = cfg.model_dump()
-    return [
+    variants = [
         Variant(factor, level, vcfg, vcfg.model_dump() == base)
         for factor in dict.fromkeys(factors)
         for level, vcfg in FACTORS[factor](cfg)
     ]
+    if levels is None:
+        return variants
+    labels = list(dict.fromkeys(v.level for v in variants))
+    unknown = [level for level in levels if level not in labels]
+    if unknown or not levels:
+        raise OpdError(
+            f"unknown level(s) {unknown} of --factors {','.join(dict.fromkeys(factors))}; pass "
+            f"--levels as a comma-separated subset of: {', '.join(labels)}"
+        )
+    return [v for v in variants if v.level in levels]
 
 
 def ablate(
@@ -125,7 +139,9 @@ def ablate(
     ctx: RunContext,
     *,
     factors: Sequence[str] = DEFAULT_FACTORS,
+    levels: Sequence[str] | None = None,
     seeds: int = 2,
+    first_seed: int | None = None,
     budget: int | None = None,
     budget_ratio: float = 0.25,
     prompts: Dataset | None = None,
@@ -136,10 +152,14 @@ def ablate(
 ) -> dict[str, Any]:
     """OPD variants, one factor at a time, from opd-vs-sft's warm-up at one drafter budget
     (`budget`, else `budget_ratio` x the warm-up's; split over each variant's rounds), each
-    evaluated at T=0 and T=1 for every seed. `prompts`, `eval_prompts`, `eval_max_prompts` and
+    evaluated at T=0 and T=1 for every seed; `levels` keeps only the levels with those labels
+    (all when None). `first_seed` (default `sft.seed`) lets separate processes run disjoint
+    seeds against one root, as for opd-vs-sft. `prompts`, `eval_prompts`, `eval_max_prompts` and
     `rollout_prompts` go to `warm_up`, as for opd-vs-sft. Returns the result as JSON-able data."""
-    check_arm_options(cfg, seeds=seeds, budget=budget, budget_ratio=budget_ratio)
-    variants = ablation_variants(cfg, factors)
+    check_arm_options(
+        cfg, seeds=seeds, budget=budget, budget_ratio=budget_ratio, first_seed=first_seed
+    )
+    variants = ablation_variants(cfg, factors, levels)
     run = Runner(ctx)
     warm = warm_up(run, cfg, prompts, eval_prompts, eval_max_prompts, rollout_prompts)
     budget = arm_budget(warm, budget, budget_ratio)
@@ -151,10 +171,12 @@ def ablate(
         warm.drafter.ref,
         budget,
     )
+    first = cfg.sft.seed if first_seed is None else first_seed
+    seed_range = range(first, first + seeds)
     rows = []
     for v in variants:
         per_seed = []
-        for seed in range(cfg.sft.seed, cfg.sft.seed + seeds):
+        for seed in seed_range:
             key = f"{v.factor}={v.level}:s{seed}"
             arm = opd_arm(run, v.cfg, seed, budget, warm, key=key, heldout=heldout)
             kept = ("drafter", "budget_row_steps", "replays", "tau", "alpha", "by_set")
@@ -169,7 +191,8 @@ def ablate(
     result: dict[str, Any] = {
         "experiment": "ablate",
         "factors": list(dict.fromkeys(factors)),
-        "seeds": list(range(cfg.sft.seed, cfg.sft.seed + seeds)),
+        "levels": list(levels) if levels is not None else None,
+        "seeds": list(seed_range),
         "budget_unit": BUDGET_UNIT,
         "budget_row_steps": budget,
         "k": cfg.drafting.k,
@@ -333,6 +356,8 @@ def _ablate_report(
         "seeds": result["seeds"],
         "budget_row_steps": result["budget_row_steps"],
     }
+    if result["levels"] is not None:  # absent = every level, as reports before --levels were
+        config["levels"] = result["levels"]
     headline = {"rows": [{k: v for k, v in r.items() if k != "runs"} for r in result["rows"]]}
     return write_report(
         ctx,

@@ -430,6 +430,19 @@ def test_ablation_variants_vary_one_factor_around_the_defaults():
         assert v.cfg.opd.lr == cfg.opd.lr and v.cfg.drafting == cfg.drafting
     with pytest.raises(OpdError, match="unknown ablation factor.*--factors"):
         ablate.ablation_variants(cfg, ["lr"])
+    # --levels: a subset in the factors' order; a label is the level's in every factor with it
+    some = ablate.ablation_variants(cfg, ["anchors", "rounds"], ["accepted 1x", "accepted 0x"])
+    assert [(v.factor, v.level) for v in some] == [
+        ("anchors", "accepted 0x"),
+        ("anchors", "accepted 1x"),
+    ]
+    assert [v.cfg for v in some] == [by_factor["anchors"][0].cfg, by_factor["anchors"][2].cfg]
+    both = ablate.ablation_variants(cfg, ["rounds", "gamma"], ["1"])
+    assert [(v.factor, v.level) for v in both] == [("rounds", "1"), ("gamma", "1")]
+    with pytest.raises(OpdError, match=r"unknown level\(s\) \['accepted 2x'\].*accepted 0x, "):
+        ablate.ablation_variants(cfg, ["anchors"], ["accepted 0x", "accepted 2x"])
+    with pytest.raises(OpdError, match="pass --levels as a comma-separated subset"):
+        ablate.ablation_variants(cfg, ["anchors"], [])
 
 
 def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
@@ -491,6 +504,26 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     printed = json.loads(r.stdout)
     assert printed["rows"] == json.loads(json.dumps(result["rows"]))
     assert printed["rollout_prompts"] == str(prompts.ref)
+    # --levels: only those levels (found cached), in the report and its quoted command
+    r = CliRunner().invoke(cli, [*args, "--levels", "sampled,0.5"])
+    assert r.exit_code == 0, r.output
+    some = json.loads(r.stdout)
+    assert [(x["factor"], x["level"]) for x in some["rows"]] == [
+        ("replays", "sampled"),
+        ("gamma", "0.5"),
+    ]
+    assert some["rows"] == [printed["rows"][1], printed["rows"][2]]
+    assert some["report"] != printed["report"]
+    some_md = store.open(some["report"]).file("report.md").read_text()
+    assert "--levels sampled,0.5" in some_md and "| gamma | 0.8" not in some_md
+    # --first-seed: another process's seeds, from the same (cached) warm-up
+    r = CliRunner().invoke(cli, [*args, "--levels", "0.5", "--first-seed", "1"])
+    assert r.exit_code == 0, r.output
+    seed1 = json.loads(r.stdout)
+    assert seed1["seeds"] == [1] and seed1["warmup"] == printed["warmup"]
+    (run1,) = seed1["rows"][0]["runs"]
+    assert run1["seed"] == 1 and run1["drafter"] != rows["gamma", "0.5"]["runs"][0]["drafter"]
+    assert store.open(run1["drafter"]).config["stage"]["seed"] == 1
     bad = CliRunner().invoke(cli, [*args[:-1], "--factors", "lr"])
     assert bad.exit_code != 0 and "unknown ablation factor" in bad.output
 
@@ -584,6 +617,11 @@ def test_bad_opd_vs_sft_options_are_one_line_errors_before_any_stage(tmp_path, o
         (["--budget-ratio", "nan"], "--budget-ratio must be a finite number in (0, 1000], got nan"),
         (["--budget-ratio", "0"], "--budget-ratio must be a finite number in (0, 1000], got 0"),
         (["--set", TYPICAL], LOSSY_ROLLOUT),  # it refused only after the warm-up
+        (["--first-seed", "-1"], "--first-seed and --seeds must keep every seed"),
+        (
+            ["--factors", "anchors", "--levels", "accepted 0x,accepted 2x"],
+            "unknown level(s) ['accepted 2x'] of --factors anchors; pass --levels as",
+        ),
     ],
 )
 def test_bad_ablate_options_are_one_line_errors_before_any_stage(tmp_path, options, message):
