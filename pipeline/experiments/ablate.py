@@ -87,7 +87,8 @@ FACTORS: dict[str, Callable[[PipelineConfig], list[tuple[str, PipelineConfig]]]]
     # several replays per anchor only differ when sampled, so this factor samples at T=1
     "samples": lambda cfg: [(f"{n} (T=1)", _replays(cfg, 1.0, n)) for n in (1, 2, 4)],
     # accepted anchors as a share of the rejected ones: none (the drafter's errors only), the
-    # profile's, and as many as there are rejected ones
+    # profile's, and as many as there are rejected ones (asked for: a sequence gives at most its
+    # accepted positions, so the report counts the anchors taken)
     "anchors": lambda cfg: [
         (f"accepted {s:g}x", _update(cfg, score={"accepted_share": s}))
         for s in sorted({0.0, cfg.score.accepted_share, 1.0})
@@ -179,7 +180,7 @@ def ablate(
         for seed in seed_range:
             key = f"{v.factor}={v.level}:s{seed}"
             arm = opd_arm(run, v.cfg, seed, budget, warm, key=key, heldout=heldout)
-            kept = ("drafter", "budget_row_steps", "replays", "tau", "alpha", "by_set")
+            kept = ("drafter", "budget_row_steps", "replays", "anchors", "tau", "alpha", "by_set")
             per_seed.append({"seed": seed} | {k: arm[k] for k in kept})
         row: dict[str, Any] = {"factor": v.factor, "level": v.level, "default": v.default}
         for t in TEMPERATURES:
@@ -265,6 +266,28 @@ def _set_names(result: dict[str, Any]) -> list[str]:
     return sorted(first.get("0.0", {}))
 
 
+def _anchor_lines(result: dict[str, Any]) -> list[str]:
+    """report.md's replay anchors per variant and seed (all rounds): what scoring took, beside
+    the share a level asks for."""
+    lines = [
+        "",
+        "## Replay anchors (per seed, all rounds)",
+        "",
+        "| factor | level | seed | rejected | accepted | accepted / rejected |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        for r in row["runs"]:
+            rejected = sum(a["rejected"] for a in r["anchors"])
+            accepted = sum(a["accepted"] for a in r["anchors"])
+            share = f"{accepted / rejected:.2f}" if rejected else "–"
+            lines.append(
+                f"| {row['factor']} | {row['level']} | {r['seed']} | {rejected:,} | "
+                f"{accepted:,} | {share} |"
+            )
+    return lines
+
+
 def _detail_lines(result: dict[str, Any]) -> list[str]:
     """report.md's acceptance per offset and τ per held-out set, per variant (mean of seeds)."""
     k = result["k"]
@@ -343,6 +366,7 @@ def _ablate_report(
                 f"| {r['tau_t1']:.3f} ± {r['tau_t1_std']:.3f} | {per[0]} | {per[1]} |"
             )
         lines += _detail_lines(result)
+        lines += _anchor_lines(result)
         lines += [
             "",
             "Per seed with the drafters: `ablation.parquet`; per variant: "
@@ -384,8 +408,8 @@ def _ablate_report(
         },
         markdown,
         headline,
-        # 2: acceptance per offset and τ per held-out set
-        report_version="2",
+        # 2: acceptance per offset and τ per held-out set; 3: replay anchors per seed
+        report_version="3",
     )
 
 

@@ -463,6 +463,15 @@ def opd_arm(
         "steps": [d.meta.get("steps") for d in opd_sets],
         "budget_row_steps": int(sum(d.meta.get("budget_row_steps", 0) for d in opd_sets)),
         "replays": [out[f"score-r{r}"].meta.get("replays") for r in n],
+        # what each round's scoring took, which a weak drafter's few accepted positions can
+        # hold below what `score.accepted_share` asks for
+        "anchors": [
+            {
+                "rejected": out[f"score-r{r}"].meta.get("rejected_anchors", 0),
+                "accepted": out[f"score-r{r}"].meta.get("accepted_anchors", 0),
+            }
+            for r in n
+        ],
         "rollout_tau": [d.meta.get("tau") for d in rollouts],
         "rollout_tokens": [d.meta.get("tokens") for d in rollouts],
         **evaluate_drafter(run, f"{key}:opd", warm.eval_config, warm.eval_prompts, final),

@@ -467,7 +467,15 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     )
     assert rows["gamma", "0.5"]["runs"][0]["drafter"] != rows["gamma", "0.8"]["runs"][0]["drafter"]
     sampled = store.open(rows["replays", "sampled"]["runs"][0]["drafter"])
-    assert store.open(sampled.inputs["replays"]).config["stage"]["temperature"] == 1.0
+    replays = store.open(sampled.inputs["replays"])
+    assert replays.config["stage"]["temperature"] == 1.0
+    # the anchors scoring took, as its dataset counted them
+    (anchors,) = rows["replays", "sampled"]["runs"][0]["anchors"]
+    assert anchors == {
+        "rejected": replays.meta["rejected_anchors"],
+        "accepted": replays.meta["accepted_anchors"],
+    }
+    assert anchors["rejected"] > 0
     # validated on opd-vs-sft's held-out sequences, so the default variant is its OPD arm
     assert store.open(sampled.inputs["heldout"]).config["stage"]["temperature"] == 0.0
     for r in result["rows"]:
@@ -494,6 +502,11 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     assert "## Acceptance per draft offset (mean over seeds)" in md
     first = " | ".join(f"{a:.3f}" for a in sampled_run["alpha"]["0.0"])
     assert f"| replays | sampled | 0 | {first}" in md
+    seed = sampled_run["seed"]
+    assert "## Replay anchors (per seed, all rounds)" in md
+    assert (
+        f"| replays | sampled | {seed} | {anchors['rejected']:,} | {anchors['accepted']:,} |" in md
+    )
 
     # the CLI: the same (cached) result as JSON
     args = ["--root", str(store.root), "experiment", "ablate", "--profile", "tiny"]
