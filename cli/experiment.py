@@ -368,13 +368,21 @@ def _numbers(ctx: click.Context, param: click.Parameter, value: str | None) -> l
     default="0.25,0.5,1",
     show_default=True,
     callback=_numbers,
-    help="Shares of the training sequences, each trained for the profile's epochs.",
+    help="Shares of the training sequences, each trained for the profile's epochs (or its "
+    "sft.steps when set).",
 )
 @click.option(
     "--epochs",
     default=None,
     callback=_numbers,
     help="Epochs over all the data, one run each [default: the profile's and twice them].",
+)
+@click.option(
+    "--steps",
+    default=None,
+    callback=_numbers,
+    help="With --set sft.steps=N, the runs are sized in optimizer steps: steps over all the "
+    "data, one run each [default: N and twice N].",
 )
 @click.option(
     "--plateau-gain",
@@ -390,13 +398,15 @@ def sft_plateau_cmd(
     sets: tuple[str, ...],
     data_shares: list[float],
     epochs: list[float] | None,
+    steps: list[float] | None,
     plateau_gain: float,
     prompts_ref: str | None,
     as_json: bool,
 ) -> None:
-    """Train the profile's SFT drafter on nested shares of the data and for more epochs; report
-    teacher-forced held-out τ (T=0 and T=1) against data and tokens seen, and whether each axis
-    has reached its plateau, as a report dataset with a plot.
+    """Train the profile's SFT drafter on nested shares of the data and for more epochs (or
+    steps, when sft.steps is set); report teacher-forced held-out τ (T=0 and T=1) against data
+    and tokens seen, and whether each axis has reached its plateau, as a report dataset with a
+    plot.
     """
     from pipeline.experiments import sft_plateau
 
@@ -406,6 +416,7 @@ def sft_plateau_cmd(
         ctx,
         data_shares=data_shares,
         epochs=epochs,
+        steps=steps,
         plateau_gain=plateau_gain,
         prompts=store.open(prompts_ref) if prompts_ref else None,
     )

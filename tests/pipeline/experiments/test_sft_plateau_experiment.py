@@ -74,6 +74,49 @@ def test_sft_plateau_trains_each_share_and_epochs_and_reports_the_curves(tiny):
     assert json.loads(r.stdout) == result
 
 
+def test_sft_plateau_sizes_runs_in_steps_when_the_profile_does(tiny):
+    store, ctx, _, prompts = tiny
+    cfg = load_config("tiny", sets=["sft.val_every=2"])  # the tiny profile trains 6 steps
+    result = sft_plateau.sft_plateau(
+        cfg, ctx, data_shares=[0.5, 1.0], steps=[6, 9], plateau_gain=0.01, prompts=prompts
+    )
+    runs = pl.DataFrame(result["runs"])
+    # every share for the profile's steps, then all the data for each of --steps
+    assert runs.select("share", "steps").rows() == [(0.5, 6), (1.0, 6), (1.0, 9)]
+    assert runs["run"].to_list() == ["share0.5:steps6", "share1:steps6", "share1:steps9"]
+    feats = store.open(result["features"])
+    half, whole, longer = runs.iter_rows(named=True)
+    assert whole["drafter"] == str(planned_ref(sft.STAGE, cfg.sft, {"features": feats}, ctx))
+    stage = store.open(longer["drafter"]).config["stage"]
+    assert (stage["steps"], stage.get("train_share")) == (9, None)
+    assert store.open(half["drafter"]).config["stage"]["train_share"] == 0.5
+    # a run sized in steps reports the epochs it reached: the half share passes over its
+    # sequences more often in the same steps
+    for run in (half, whole, longer):
+        reached = store.open(run["drafter"]).meta["epochs"]
+        assert run["epochs"] == round(reached, 2)
+    assert half["sequences"] < whole["sequences"] and half["epochs"] > whole["epochs"]
+
+    assert result["sized_in"] == "steps" and result["profile_size"] == 6
+    (data,) = result["data_axis"]["gains"]
+    assert (data["from"], data["to"]) == (0.5, 1.0)
+    assert data["gain_t1"] == pytest.approx(whole["tau_t1"] - half["tau_t1"])
+    (steps,) = result["steps_axis"]["gains"]
+    assert (steps["from"], steps["to"]) == (6, 9)
+    assert steps["gain_t0"] == pytest.approx(longer["tau_t0"] - whole["tau_t0"])
+    report = store.open(result["report"])
+    curves = pl.read_parquet(report.file("curves.parquet"))
+    assert sorted(set(curves["steps"].to_list())) == [6, 9]
+    assert "each share for 6 steps" in report.file("report.md").read_text()
+    assert report.file("plateau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    args = ["--root", str(store.root), "experiment", "sft-plateau", "--profile", "tiny"]
+    args += ["--set", "sft.val_every=2", "--data-shares", "0.5,1", "--steps", "6,9"]
+    r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts.ref), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == result
+
+
 def test_the_verdict_names_the_last_step_up_and_whether_it_paid():
     gains = [
         {"from": 0.25, "to": 0.5, "gain_t0": 0.05, "gain_t1": 0.04},
@@ -87,17 +130,22 @@ def test_the_verdict_names_the_last_step_up_and_whether_it_paid():
 
 
 @pytest.mark.parametrize(
-    ("sets", "shares", "epochs", "message"),
+    ("sets", "shares", "epochs", "steps", "message"),
     [
-        ([], [1.0], None, "drop --set sft.steps"),  # the tiny profile sets steps
-        ([*EPOCHS, "sft.train_share=0.5"], [1.0], None, "sets sft.train_share itself"),
-        (EPOCHS, [0.0, 1.0], None, r"--data-shares must be in \(0, 1\]"),
-        (EPOCHS, [1.0], [0.0], "--epochs must be > 0"),
+        ([], [1.0], [2.0], None, "give --steps instead of --epochs"),  # the tiny profile: steps
+        (EPOCHS, [1.0], None, [12.0], "needs --set sft.steps=N"),
+        ([], [1.0], None, [4.5], "--steps must be whole numbers > 0"),
+        ([], [1.0], None, [0.0], "--steps must be whole numbers > 0"),
+        ([*EPOCHS, "sft.train_share=0.5"], [1.0], None, None, "sets sft.train_share itself"),
+        (EPOCHS, [0.0, 1.0], None, None, r"--data-shares must be in \(0, 1\]"),
+        (EPOCHS, [1.0], [0.0], None, "--epochs must be > 0"),
     ],
 )
-def test_sft_plateau_refuses_bad_input_before_any_work(tiny, sets, shares, epochs, message):
+def test_sft_plateau_refuses_bad_input_before_any_work(tiny, sets, shares, epochs, steps, message):
     store, ctx, _, prompts = tiny
     cfg = load_config("tiny", sets=sets)
     with pytest.raises(OpdError, match=message):
-        sft_plateau.sft_plateau(cfg, ctx, data_shares=shares, epochs=epochs, prompts=prompts)
+        sft_plateau.sft_plateau(
+            cfg, ctx, data_shares=shares, epochs=epochs, steps=steps, prompts=prompts
+        )
     assert not (store.root / "sft").exists()
