@@ -9,8 +9,8 @@ From the full chain's own prompts -> generate -> features (cached datasets share
 
 Runs are sized like the profile's sft: in epochs (`sft.epochs`; the optimizer steps then grow
 with the data), or in optimizer steps when `sft.steps` is set (every share then gets the same
-steps, and the steps axis is one run per step count). A recipe sized in steps, like DFlash's on
-SmolLM2, thus finds its hand-made runs cached instead of retraining them in epochs.
+steps, and the steps axis is one run per step count). A recipe sized in steps thus finds its
+hand-made runs cached instead of retraining them in epochs.
 
 Every run validates on the same sequences, the sft stage's own split of the training prompts
 (`sft.val_share`, by sequence name), which no run trains on: the curves are tuned on nothing
