@@ -9,8 +9,9 @@ the stage: VmHWM, reset before each stage) and peak GPU memory, and bytes writte
 
 Then the speed-up a drafter would give at that shape: the target's verify forwards and the
 trained drafter's forward are timed here at batch 1 (`models.draft_length.calibrate`), and the
-cost model is fed with them and with τ measured on the embedded target (`--tau`, docs/scale.md
-cites where each comes from). Random weights accept nothing, so this is a projection.
+cost model is fed with them and with the three τ measured on the embedded target (`EMBEDDED_TAU`
+below; docs/scale.md cites where each comes from). Random weights accept nothing, so this is a
+projection.
 
     python -m benchmarks.bench_scale_shape --shape llama-3.1-8b --layers 4 --width 2048
     python -m benchmarks.bench_scale_shape --shape embedded
