@@ -401,8 +401,6 @@ class Trainer:
         """Steps until `total_steps`; returns the metrics of every step (resumed ones included)."""
         cfg, total = self.cfg, self.total
         val_steps = cfg.validation_steps(total)
-        if validate is not None and validate_at_start and self.step == 0:
-            self._validate(validate, 0)
         forward = self.forward if self.sharded else training.wrap_ddp(self.forward)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         bar = tqdm(
@@ -417,9 +415,21 @@ class Trainer:
         epoch, position = self.loader.position(self.step)
         try:
             with (
-                contextlib.closing(self.loader.iterate(epoch, position, epochs=None)) as batches,
+                # Installed before the starting validation: a stop request that lands in it is
+                # deferred like one in a step, not left to the default handler (which another
+                # library's signal check may swallow).
                 Interrupts() as interrupts,
+                contextlib.closing(self.loader.iterate(epoch, position, epochs=None)) as batches,
             ):
+                if validate is not None and validate_at_start and self.step == 0:
+                    self._validate(validate, 0)
+                    if interrupts.any_rank():
+                        training.barrier()
+                        raise TrainingStopped(
+                            f"stopped before step 1 of {total} "
+                            f"({interrupts.received or 'a signal on another rank'}), after the "
+                            "starting validation; re-run the stage to start again"
+                        )
                 for batch in batches:
                     t0 = time.perf_counter()
                     lr = self.schedule.lr
