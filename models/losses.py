@@ -38,6 +38,17 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return picked.sum() / max(picked.numel(), 1)
 
 
+def renormalised_teacher(draft_logits: Tensor, temperature: float) -> Tensor:
+    """The training teacher from the target's logits at the draft ids [.., Vd]: softmax over
+    them at `temperature`, a one-hot at their argmax at 0 (`teacher_draft_probs`'s
+    renormalize=True, which needs no other logit)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return F.one_hot(draft_logits.argmax(-1), draft_logits.shape[-1]).float()
+    return (draft_logits.float() / temperature).softmax(-1)
+
+
 def teacher_draft_probs(
     target_logits: Tensor | TeacherLogits,
     vocab: DraftVocab,
@@ -77,23 +88,19 @@ def teacher_draft_probs(
                 f"the teacher holds {draft.shape[-1]} draft ids, the draft vocab has "
                 f"{vocab.draft_vocab_size}"
             )
+        if renormalize:
+            return renormalised_teacher(draft, temperature)
         if temperature == 0:
-            if renormalize:
-                return F.one_hot(draft.argmax(-1), vocab.draft_vocab_size).float()
             top = vocab.to_draft(target_logits.top)  # -1: the argmax lies outside the draft vocab
             hot = F.one_hot(top.clamp_min(0), vocab.draft_vocab_size).float()
             return hot * (top >= 0)[..., None]
-        if renormalize:
-            return (draft / temperature).softmax(-1)
         return target_logits.full_mass(temperature)
     ids = vocab.draft_to_target_ids.to(target_logits.device)
     logits = target_logits.float()
-    if temperature == 0:
-        if renormalize:
-            return F.one_hot(logits[..., ids].argmax(-1), ids.numel()).float()
-        return F.one_hot(logits.argmax(-1), vocab.vocab_size).float()[..., ids]
     if renormalize:
-        return (logits[..., ids] / temperature).softmax(-1)
+        return renormalised_teacher(logits[..., ids], temperature)
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), vocab.vocab_size).float()[..., ids]
     return (logits / temperature).softmax(-1)[..., ids]
 
 

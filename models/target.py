@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from models.teacher import TeacherLogits, teacher_logits
+from models.losses import renormalised_teacher
+from models.teacher import TeacherLogits, draft_logits, teacher_logits
 from models.vocab import DraftVocab
 
 if TYPE_CHECKING:
@@ -291,6 +292,14 @@ class Target:
         """The frozen LM head: post-norm hidden [..., H] -> fp32 logits [..., V]."""
         weight = self.lm_head_weight
         return F.linear(last_hidden.to(device=weight.device, dtype=weight.dtype), weight).float()
+
+    @torch.no_grad()
+    def draft_teacher(self, last_hidden: Tensor, vocab: DraftVocab, temperature: float) -> Tensor:
+        """The renormalised training teacher [..., Vd] at post-norm hidden [..., H], from the
+        head's draft-id rows alone: for losses that read nothing else of the target's logits."""
+        return renormalised_teacher(
+            draft_logits(last_hidden, self.lm_head_weight, vocab.draft_to_target_ids), temperature
+        )
 
     @torch.no_grad()
     def teacher(

@@ -34,7 +34,8 @@ class TeacherLogits:
 
     draft: Tensor  # [.., Vd] fp32: logits at the draft ids, in draft-id order
     top: Tensor  # [..] int64: argmax over the full vocabulary (a target id)
-    log_norm: dict[float, Tensor]  # T -> [..] fp32: logsumexp over the full vocabulary of logits/T
+    # T -> [..] fp32: logsumexp over the full vocabulary of logits/T (empty from `ArgmaxCache`)
+    log_norm: dict[float, Tensor]
     vocab_size: int
 
     @property
@@ -103,3 +104,61 @@ def teacher_logits(
         {t: n.reshape(lead) for t, n in norms.items()},
         vocab,
     )
+
+
+@torch.no_grad()
+def draft_logits(last_hidden: Tensor, lm_head_weight: Tensor, draft_ids: Tensor) -> Tensor:
+    """The target's logits at the draft ids only: post-norm hidden [.., H] -> [.., Vd] fp32, at
+    Vd/V of the whole head's cost. All that a renormalised training teacher reads
+    (`models.losses.renormalised_teacher`); equal to `teacher_logits(..).draft` up to the float
+    rounding of a product of another shape."""
+    weight = lm_head_weight[draft_ids.to(lm_head_weight.device)]  # [Vd, H]
+    return F.linear(last_hidden.to(lm_head_weight), weight).float()
+
+
+class ArgmaxCache:
+    """The full vocabulary's argmax at every position of the sequences one training run reads,
+    computed the first time a sequence is read and kept for the epochs after it.
+
+    An SFT step reads two things from the target's logits (`pipeline.stages.sft.train_step`):
+    the draft ids' logits (its loss, through the renormalised teacher) and the full vocabulary's
+    argmax (its T=0 acceptance). The first is a [Vd, H] product; the second needs the whole
+    [V, H] head: 6x the draft head at SmolLM2's 49k / 8k ids, 4x at Llama 3's 128k / 32k, and on
+    this project's CPUs most of an SFT step's teacher time, paid again every epoch for the same
+    hidden states. The argmax is the same in every epoch, so it is kept (4 bytes a token) and
+    later epochs run only the draft head. Rows are keyed by their row id in one
+    `pipeline.core.training.FeatureIndex`; a row read again with another length is refused.
+    """
+
+    def __init__(self, lm_head_weight: Tensor, draft_ids: Tensor) -> None:
+        self.weight = lm_head_weight  # [V, H]
+        self.draft_ids = draft_ids  # [Vd] strictly increasing target ids
+        self._top: dict[int, Tensor] = {}  # row id -> [length] int32, on the CPU
+
+    def __len__(self) -> int:
+        return len(self._top)
+
+    @torch.no_grad()
+    def teacher(self, last_hidden: Tensor, rows: Tensor, lengths: Tensor) -> TeacherLogits:
+        """`TeacherLogits` without log-normalisers of post-norm states [B, T, H] of index rows
+        `rows` [B] of `lengths` [B] (right-padded): the draft logits at every position, the full
+        argmax from the cache (0 past each length)."""
+        B, T, _ = last_hidden.shape
+        hidden = last_hidden.to(self.weight)
+        draft = draft_logits(hidden, self.weight, self.draft_ids)  # [B, T, Vd]
+        ids, sizes = rows.tolist(), lengths.tolist()
+        for row, n in zip(ids, sizes, strict=True):
+            if row in self._top and len(self._top[row]) != n:
+                raise ValueError(
+                    f"row {row} was read with {len(self._top[row])} tokens and now with {n}: "
+                    "an ArgmaxCache serves the rows of one FeatureIndex only"
+                )
+        missing = [i for i, row in enumerate(ids) if row not in self._top]
+        if missing:
+            full = teacher_logits(hidden[missing], self.weight, self.draft_ids)  # top [M, T]
+            for j, i in enumerate(missing):
+                self._top[ids[i]] = full.top[j, : sizes[i]].to("cpu", torch.int32)
+        top = torch.zeros(B, T, dtype=torch.int64)
+        for i, row in enumerate(ids):
+            top[i, : sizes[i]] = self._top[row]
+        return TeacherLogits(draft, top.to(draft.device), {}, self.weight.shape[0])

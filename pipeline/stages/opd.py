@@ -744,17 +744,13 @@ def replay_step(
     tokens, row_steps = int(batch.lengths.sum()), batch.row_steps
     if cfg.ce_lambda > 0 and cfg.ce_source == "rollouts":
         with torch.no_grad():
-            teacher = teacher_draft_probs(
-                target.teacher(b.last_hidden, vocab), vocab, cfg.temperature
-            )
+            teacher = target.draft_teacher(b.last_hidden, vocab, cfg.temperature)
         loss = loss + cfg.ce_lambda * drafter.rollout_ce_loss(
             outs[0], teacher, b.item, b.anchor, cfg.gamma
         )
     if anchor_batch is not None:
         with torch.no_grad():
-            teacher = teacher_draft_probs(
-                target.teacher(fb["last_hidden"], vocab), vocab, cfg.temperature
-            )
+            teacher = target.draft_teacher(fb["last_hidden"], vocab, cfg.temperature)
         anchor_loss = drafter.sft_loss(
             outs[1], teacher, fb["last_hidden"], decay=cfg.gamma, objective=None
         )

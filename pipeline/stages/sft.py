@@ -23,7 +23,10 @@ chain featurizes nothing for it (its features are the tokens and the map only).
 Each step unrolls the drafter `ttt_steps` times over every row of a padded batch (step k feeds
 back its own hidden state and reads ground-truth tokens) and minimises
 sum_k step_decay^k * soft-CE(q_k, p), p = the target's distribution on the draft vocab,
-recomputed from the cached last hidden state through the frozen LM head.
+recomputed from the cached last hidden state through the frozen LM head's draft-id rows. The
+step's T=0 accuracy also needs the full vocabulary's argmax, which the whole head gives at V/Vd
+times the cost (6x at SmolLM2's 49k / 8k): `models.teacher.ArgmaxCache` runs it the first time
+a sequence is read and keeps the argmax for the later epochs (rebuilt on resume, same numbers).
 
 `objective=eagle1` trains the same drafter with EAGLE-1's objective instead, to compare the
 two: one teacher-forced step (no training-time test) minimising smooth-L1 between row t's
@@ -50,6 +53,7 @@ from models.drafter import Drafter, TrainableDrafter, require
 from models.drafters import KINDS, drafter_class, recorded_settings
 from models.kind import KindSettings
 from models.losses import teacher_draft_probs
+from models.teacher import ArgmaxCache
 from models.vocab import DraftVocab
 from pipeline.core import training
 from pipeline.core.checks import check_drafter_vocab, check_same_target, check_same_vocab, vocab_of
@@ -204,14 +208,20 @@ def new_drafter(
 
 
 def train_step(
-    model: nn.Module, drafter: Drafter, batch: training.PaddedBatch, target: Any, cfg: Config
+    model: nn.Module,
+    drafter: Drafter,
+    batch: training.PaddedBatch,
+    target: Any,
+    cfg: Config,
+    argmax: ArgmaxCache,
 ) -> StepOutput:
     """The objective's loss on one batch, with its per-step T=0 accuracy (summed over ranks).
-    `model` is the drafter's training module (DDP-wrapped or FSDP-sharded)."""
+    `model` is the drafter's training module (DDP-wrapped or FSDP-sharded); `argmax` the run's
+    cache over the batches' FeatureIndex, for the drafter's vocab map (module docstring)."""
     b = to_device(batch, target.device)
     with torch.no_grad():
-        # [B, T, V] logits reduced in vocabulary blocks (models.teacher): bounded at a 128k vocab
-        target_logits = target.teacher(b["last_hidden"], drafter.vocab, [cfg.temperature])
+        # the draft ids' logits [B, T, Vd] and the full vocabulary's argmax [B, T]
+        target_logits = argmax.teacher(b["last_hidden"], batch.rows, batch.lengths)
         teacher = teacher_draft_probs(target_logits, drafter.vocab, cfg.temperature)  # [B, T, Vd]
     with autocast(target.device, cfg.bf16):
         (out,) = model((features_of(b), b["loss_mask"], None, cfg.unroll_depth))
@@ -447,8 +457,11 @@ def run(
         trainer.checkpointer.directory,
     )
 
+    # the drafter's map: the features' one, or the identity for a DFlash on the target's head
+    argmax = ArgmaxCache(target.lm_head_weight, drafter.vocab.draft_to_target_ids)
+
     def loss_step(model: nn.Module, batch: training.PaddedBatch, step: int) -> StepOutput:
-        return train_step(model, drafter, batch, target, cfg)
+        return train_step(model, drafter, batch, target, cfg, argmax)
 
     # With held-out sequences the curve starts at the starting drafter (step 0), as opd's does.
     result = trainer.train(

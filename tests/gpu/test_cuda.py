@@ -4,6 +4,7 @@ tolerance, pinned feature batches, bf16 by default. Skipped (with the reason) wi
 import pytest
 import torch
 
+from models.teacher import ArgmaxCache
 from models.vocab import DraftVocab
 from pipeline.core import featurize, training, validation
 from pipeline.core.checks import vocab_of
@@ -75,7 +76,8 @@ def test_one_sft_step_on_cuda_equals_the_cpu(cpu_and_cuda):
     for ctx in (cpu, cuda):
         target = ctx.target_loader.target
         drafter = sft.new_drafter(target, vocab, seed=0)
-        out = sft.train_step(drafter.training_module(), drafter, batch, target, sft_cfg)
+        argmax = ArgmaxCache(target.lm_head_weight, vocab.draft_to_target_ids)
+        out = sft.train_step(drafter.training_module(), drafter, batch, target, sft_cfg, argmax)
         out.loss.backward()
         losses.append(out.loss.detach().cpu())
         grads.append(

@@ -11,7 +11,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
+from models.losses import teacher_draft_probs
 from models.target import Target, _transformers_bars_hidden, default_aux_layer_ids, load_target
+from models.vocab import DraftVocab
 from tests.models.conftest import tiny_hf_model, tiny_target
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
@@ -394,3 +396,14 @@ def test_the_target_captures_as_many_layers_as_the_kind_reads():
         TargetConfig(aux_layer_ids=[1, 2, 3], aux_layers=5)
     with pytest.raises(ValueError, match="reads 5 target layers, but a 4-layer target has 3"):
         TargetConfig(path="random", aux_layers=5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0])
+def test_the_draft_only_teacher_is_the_renormalised_teacher(tiny_llama, temperature):
+    torch.manual_seed(0)
+    V = tiny_llama.vocab_size
+    vocab = DraftVocab.from_counts(torch.randint(0, 50, (V,)).float(), V // 4)
+    hidden = torch.randn(2, 6, tiny_llama.hidden_size)
+    want = teacher_draft_probs(tiny_llama.teacher(hidden, vocab), vocab, temperature)
+    got = tiny_llama.draft_teacher(hidden, vocab, temperature)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models import teacher as teacher_module
 from models.losses import teacher_draft_probs
-from models.teacher import teacher_logits
+from models.teacher import ArgmaxCache, teacher_logits
 from models.vocab import DraftVocab
 
 
@@ -55,3 +56,40 @@ def test_a_temperature_not_computed_is_refused(setup):
     teacher = teacher_logits(hidden, head, draft.draft_to_target_ids)
     with pytest.raises(ValueError, match="temperatures \\[1.0\\], not 0.5"):
         teacher_draft_probs(teacher, draft, 0.5, renormalize=False)
+
+
+def test_the_argmax_cache_gives_what_training_reads_and_runs_the_full_head_once_a_row(
+    setup, monkeypatch
+):
+    head, hidden, draft = setup
+    full_head_rows = []
+    blocked = teacher_module.teacher_logits
+
+    def counted(h, *args, **kwargs):
+        full_head_rows.append(h.shape[0])
+        return blocked(h, *args, **kwargs)
+
+    monkeypatch.setattr(teacher_module, "teacher_logits", counted)
+    cache = ArgmaxCache(head, draft.draft_to_target_ids)
+    lengths = torch.tensor([5, 3, 4])
+    # right-padded like a PaddedBatch: zeros past each length
+    padded = hidden * (torch.arange(5) < lengths[:, None])[..., None]
+    rows = torch.tensor([7, 2, 9])
+    want = F.linear(padded, head)  # [B, T, V]
+    for order in ([0, 1, 2], [2, 0]):  # a second epoch, other batches: nothing recomputed
+        got = cache.teacher(padded[order], rows[order], lengths[order])
+        for i, b in enumerate(order):
+            n = int(lengths[b])
+            assert torch.equal(got.argmax(-1)[i, :n], want[b, :n].argmax(-1))
+        for temperature in (0.0, 0.7):
+            torch.testing.assert_close(
+                teacher_draft_probs(got, draft, temperature),
+                teacher_draft_probs(want[order], draft, temperature),
+                atol=1e-5,
+                rtol=1e-5,
+            )
+    assert full_head_rows == [3] and len(cache) == 3
+    with pytest.raises(ValueError, match="row 2 was read with 3 tokens and now with 4"):
+        cache.teacher(padded[[1]], rows[[1]], torch.tensor([4]))
+    with pytest.raises(ValueError, match="temperatures \\[\\], not 1.0"):
+        teacher_draft_probs(got, draft, 1.0, renormalize=False)  # the full law is not kept

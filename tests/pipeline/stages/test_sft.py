@@ -24,8 +24,10 @@ from models.losses import (
     teacher_draft_probs,
     ttt_loss,
 )
+from models.teacher import ArgmaxCache
 from models.vocab import DraftVocab
 from pipeline.core import drafters, targets, training, validation
+from pipeline.core import trainer as trainer_module
 from pipeline.core.config import version_dict
 from pipeline.core.runner import RunContext, run_stage
 from pipeline.core.targets import TargetConfig, TargetLoader
@@ -314,7 +316,14 @@ def test_eagle1_trains_one_step_on_the_next_positions_state_and_its_drafter_eval
     drafter = sft.new_drafter(target, DraftVocab(v["d2t"], v["t2d"]), seed=0)
     index = training.FeatureIndex(feats, validation.FEATURE_COLUMNS)
     batch = index.collate([0, 3, 5])
-    out = sft.train_step(drafter.training_module(), drafter, batch, target, cfg)
+    out = sft.train_step(
+        drafter.training_module(),
+        drafter,
+        batch,
+        target,
+        cfg,
+        ArgmaxCache(target.lm_head_weight, drafter.vocab.draft_to_target_ids),
+    )
     assert out.row_steps == out.tokens == batch.num_tokens  # one unrolled step per row
     assert len(out.extra["acc"]) == 1
     b = validation.to_device(batch, target.device)
@@ -582,3 +591,40 @@ def test_a_drafter_too_shallow_for_its_trained_offsets_names_its_own_kinds_setti
             in message
         )
         assert not [s for s in settings.values() if s != setting and s in message]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_starting_validation_stops_before_the_first_step(
+    tiny_features, monkeypatch, sig
+):
+    # The starting validation (step 0, with held-out sequences) runs before the first step: a
+    # stop request landing there must stop the run cleanly too, not be lost or kill it.
+    _, ctx, feats = tiny_features
+    cfg = sft.Config(steps=4, seed=40 + int(sig), ttt_steps=3, tau_k=3, **FAST)
+    validator, train = sft._validator, trainer_module.Trainer.train
+
+    def signalling_validator(*args, **kwargs):
+        inner = validator(*args, **kwargs)
+
+        def validation(model, step):
+            if step == 0:
+                signal.raise_signal(sig)
+            return inner(model, step)
+
+        return validation
+
+    def train_validating_at_start(self, loss_step, validate, *, validate_at_start=False):
+        return train(self, loss_step, validate, validate_at_start=True)
+
+    monkeypatch.setattr(sft, "_validator", signalling_validator)
+    monkeypatch.setattr(trainer_module.Trainer, "train", train_validating_at_start)
+    handler = signal.getsignal(sig)
+    with pytest.raises(TrainingStopped, match=f"before step 1 of 4 \\({sig.name}\\)"):
+        run_stage(sft.STAGE, cfg, {"features": feats}, ctx)
+    assert signal.getsignal(sig) is handler
+
+    monkeypatch.setattr(sft, "_validator", validator)
+    done = run_stage(sft.STAGE, cfg, {"features": feats}, ctx).dataset
+    metrics = pl.read_parquet(done.file(drafters.METRICS_FILE))
+    assert len(metrics.filter(pl.col("kind") == "train")) == 4
+    assert metrics.filter(pl.col("kind") == "val")["step"].to_list()[0] == 0
