@@ -16,7 +16,7 @@ position t+k+1. The block drafters' counterpart is models/blocks.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,25 +58,12 @@ class ChainNetwork(Protocol):
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
         head_at: Tensor | None = None,
-        head_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Draft step `step` (0: the rows that read the target's states) over input_ids [B, T],
         hidden [B, T, H], position_ids [B, T]; `attention_mask` bool [B, T, S] (S = cached keys
         + T; None: causal) -> (logits [B, T, Vd] fp32, hidden_out [B, T, H]). `head_at` [B]:
-        one row of each batch row, the only logits computed ([B, Vd]). `head_rows` [B, T] bool:
-        the rows whose logits are computed, 0 at the others (`head_at_rows`)."""
+        one row of each batch row, the only logits computed ([B, Vd])."""
         ...
-
-
-def head_at_rows(head: Callable[[Tensor], Tensor], hidden: Tensor, rows: Tensor) -> Tensor:
-    """Logits [B, T, Vd] fp32 of `head` (final norm + LM head) at the rows [B, T] bool of hidden
-    [B, T, H], 0 elsewhere. In training only the valid rows are read (the loss gathers them),
-    and at a real vocabulary the draft head is most of a step's multiply-adds: prompt tokens,
-    padding and each step's last rows would pay for logits nobody reads."""
-    picked = head(hidden[rows]).float()  # [N, Vd]
-    logits = picked.new_zeros((*rows.shape, picked.shape[-1]))
-    logits[rows] = picked
-    return logits
 
 
 def shift_left(x: Tensor, n: int, fill: float | bool = 0) -> Tensor:
@@ -191,7 +178,6 @@ def ttt_unroll(
     steps: int = 7,
     step_tokens: Sequence[Tensor | None] | None = None,
     loss_mask: Tensor | None = None,
-    head_rows: Tensor | None = None,
 ) -> list[TTTStep]:
     """Training-time test: run the network `steps` times over every row, feeding back its own hidden.
 
@@ -201,8 +187,6 @@ def ttt_unroll(
     x_{t+k+1} (SFT). `step_tokens[0]` must be None: step 0 always reads the committed token.
     Row t at step k is valid iff x_{t+k+2} exists and, when `loss_mask` [B, T] is given, it is set there.
     Teachers align with `shift_left(teacher, k + 1)`.
-    `head_rows` None: the logits of every row. Else [B, T] bool: rows whose logits every step
-    keeps besides its valid ones (replays read theirs); every other row's logits are 0.
     """
     if input_ids.dim() != 2 or states.shape[:2] != input_ids.shape:
         raise ValueError(
@@ -235,23 +219,16 @@ def ttt_unroll(
     for k in range(steps):
         given = step_tokens[k] if step_tokens is not None else None
         tokens = given if given is not None else shift_left(input_ids, k + 1)
-        valid = shift_left(keep, k + 2, fill=False)
-        logits, hidden = network.chain_step(
-            k,
-            tokens,
-            hidden,
-            positions + k,
-            cache=cache,
-            head_rows=None if head_rows is None else head_rows | valid,
+        logits, hidden = network.chain_step(k, tokens, hidden, positions + k, cache=cache)
+        out.append(
+            TTTStep(logits=logits, valid=shift_left(keep, k + 2, fill=False), hidden_out=hidden)
         )
-        out.append(TTTStep(logits=logits, valid=valid, hidden_out=hidden))
     return out
 
 
 @dataclass
 class Unrolled:
-    """One unroll's per-step outputs (module docstring); logits are 0 at rows neither valid nor
-    replayed (`chain_unroll`)."""
+    """One unroll's per-step outputs (module docstring)."""
 
     logits: list[Tensor]  # [K] of [B, T, Vd]
     valid: list[Tensor]  # [K] of [B, T] bool
@@ -267,15 +244,12 @@ def chain_unroll(
 ) -> Unrolled:
     """`ttt_unroll` over every row; with replays (item [N], anchor [N], tokens [N, K]) the row
     e-2 of each anchor e reads the replayed drafts at steps >= 1 instead of ground truth, so
-    that row is exactly the chain the decoder drafted from the prefix y<e. The head runs at
-    each step's valid rows and the replays' rows only (`head_at_rows`)."""
+    that row is exactly the chain the decoder drafted from the prefix y<e."""
     input_ids = features.ids
     step_tokens = None
-    head_rows = torch.zeros_like(input_ids, dtype=torch.bool)  # [B, T]
     if replays is not None:
         item, anchor, tokens = replays
         row = anchor - 2
-        head_rows[item, row] = True
         step_tokens = [None]
         for k in range(1, steps):
             given = shift_left(input_ids, k + 1)  # [B, T] ground truth x_{t+k+1}
@@ -288,7 +262,6 @@ def chain_unroll(
         steps=steps,
         step_tokens=step_tokens,
         loss_mask=loss_mask,
-        head_rows=head_rows,
     )
     return Unrolled([s.logits for s in out], [s.valid for s in out], [s.hidden_out for s in out])
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.chain import ChainAttention, TTTCache, head_at_rows
+from models.chain import ChainAttention, TTTCache
 from models.features import Features
 from models.kv import KVCache
 from models.layers import (
@@ -241,7 +241,6 @@ class Eagle3Model(nn.Module):
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
         head_at: Tensor | None = None,
-        head_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Every step is the one layer's forward."""
         return self(
@@ -251,7 +250,6 @@ class Eagle3Model(nn.Module):
             attention_mask=attention_mask,
             cache=cache,
             head_at=head_at,
-            head_rows=head_rows,
         )
 
     def forward(
@@ -263,22 +261,16 @@ class Eagle3Model(nn.Module):
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
         head_at: Tensor | None = None,
-        head_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Returns (logits [B, T, Vd] fp32, hidden_out [B, T, H] before the final norm).
 
         `attention_mask`: bool [B, T, S], True = may attend, S = cached keys + T; None = causal.
         `head_at` [B]: one row of each batch row, where alone the logits are computed ([B, Vd]).
-        `head_rows` [B, T] bool: the rows whose logits are computed, 0 elsewhere (training).
         """
         self._check_inputs(input_ids, hidden, position_ids, attention_mask, cache)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, d]
         hidden_out = self.midlayer(embeds, hidden, cos, sin, attention_mask, cache)  # [B, T, H]
-        if head_rows is not None:
-            return head_at_rows(
-                lambda h: self.lm_head(self.norm(h)), hidden_out, head_rows
-            ), hidden_out
         read = hidden_out
         if head_at is not None:  # one row of each batch row: [B, H]
             read = hidden_out[torch.arange(len(head_at), device=head_at.device), head_at]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.chain import ChainAttention, TTTCache, head_at_rows
+from models.chain import ChainAttention, TTTCache
 from models.features import Features
 from models.kv import KVCache
 from models.layers import (
@@ -213,19 +213,13 @@ class MTPModel(nn.Module):
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
         head_at: Tensor | None = None,
-        head_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Module step+1, or the last one past D: (logits [B, T, V] fp32, hidden_out [B, T, H]);
-        with `head_at` [B] (one row of each batch row) the logits there only, [B, V]; with
-        `head_rows` [B, T] bool at those rows, 0 elsewhere."""
+        with `head_at` [B] (one row of each batch row) the logits there only, [B, V]."""
         module = self.layers[min(step, len(self.layers) - 1)]
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, d]
         hidden_out = module(embeds, hidden, cos, sin, attention_mask, cache)  # [B, T, H]
-        if head_rows is not None:
-            return head_at_rows(
-                lambda h: self.lm_head(module.norm(h)), hidden_out, head_rows
-            ), hidden_out
         read = hidden_out
         if head_at is not None:  # one row of each batch row: [B, H]
             read = hidden_out[torch.arange(len(head_at), device=head_at.device), head_at]

@@ -19,7 +19,6 @@ from models.chain import Unrolled, shift_left, ttt_acceptance, ttt_unroll
 from models.drafters import load_drafter, save_drafter
 from models.eagle3.drafter import Eagle3Drafter
 from models.eagle3.model import Eagle3Config
-from models.features import Features
 from models.kv import KVCache
 from models.layers import rope_inv_freq
 from models.losses import acceptance_rate, teacher_draft_probs, ttt_loss
@@ -602,52 +601,3 @@ def test_perfect_drafter_reaches_tau_k_plus_one():
     assert s["acc"] == [1.0] * K
     assert s["tau_sim"] == pytest.approx(4.0) and s["tau_chain"] == pytest.approx(4.0)
     assert s["tau_expected"] == pytest.approx(4.0, abs=1e-3)
-
-
-def test_the_training_unroll_runs_the_head_where_it_is_read_and_trains_as_the_full_head(
-    tiny_llama,
-):
-    # The head runs at each step's valid rows and the replays' rows only: there the logits, the
-    # loss and every gradient are the full head's; elsewhere the logits are 0 (nothing reads them).
-    ids, out = features(tiny_llama, B=3, T=14)
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    mask[:, :4] = False  # a prompt
-    mask[2, 9:] = False  # a shorter row (padding)
-    item, anchor = torch.tensor([0, 2]), torch.tensor([13, 12])  # replays near the end
-    tokens = torch.randint(0, tiny_llama.vocab_size, (2, 3))
-    teacher = teacher_draft_probs(out.logits, make_drafter(tiny_llama).vocab, 1.0)
-    feats = Features(ids, out.aux_hidden, out.last_hidden)
-    grads, unrolls = [], []
-    for head_rows in (False, True):
-        drafter = make_drafter(tiny_llama, std=0.1)
-        if head_rows:
-            unrolled = drafter.unroll(feats, mask, 3, replays=(item, anchor, tokens))
-        else:  # the head at every row: what the unroll computed before
-            step_tokens = [None] + [shift_left(ids, k + 1) for k in (1, 2)]
-            for k in (1, 2):
-                step_tokens[k][item, anchor - 2] = tokens[:, k - 1]
-            steps = ttt_unroll(
-                drafter,
-                drafter.read_features(feats),
-                ids,
-                steps=3,
-                step_tokens=step_tokens,
-                loss_mask=mask,
-            )
-            unrolled = Unrolled([s.logits for s in steps], [s.valid for s in steps],
-                                [s.hidden_out for s in steps])  # fmt: skip
-        loss = drafter.sft_loss(unrolled, teacher, out.last_hidden, decay=0.8, objective=None)
-        loss = loss + drafter.replay_logits(unrolled, item, anchor).square().mean()
-        loss.backward()
-        grads.append({n: p.grad for n, p in drafter.named_parameters() if p.grad is not None})
-        unrolls.append(unrolled)
-    full, rows = unrolls
-    for k in range(3):
-        read = rows.valid[k].clone()
-        read[item, anchor - 2] = True
-        torch.testing.assert_close(rows.logits[k][read], full.logits[k][read])
-        assert torch.equal(rows.logits[k][~read], torch.zeros_like(rows.logits[k][~read]))
-        assert (~read).any()  # some rows were skipped
-    assert grads[0].keys() == grads[1].keys()
-    for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, msg=name)
