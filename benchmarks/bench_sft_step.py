@@ -34,7 +34,7 @@ from models.vocab import DraftVocab
 from pipeline.core.trainer import native_bf16
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--rows", type=int, default=16)
@@ -52,7 +52,11 @@ def main() -> None:
         help="a drafter setting, e.g. anchors=64 for dflash (repeatable)",
     )
     ap.add_argument("--bf16", choices=["both", "off", "on"], default="both")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     settings_of_kind = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.settings)}
 
     target = load_target(args.target)

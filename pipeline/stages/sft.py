@@ -457,7 +457,7 @@ def run(
         trainer.checkpointer.directory,
     )
 
-    # the drafter's map: the features' one, or the identity for a DFlash on the target's head
+    # the drafter's map: the features' one, or the identity where it drafts over the target's head
     argmax = ArgmaxCache(target.lm_head_weight, drafter.vocab.draft_to_target_ids)
 
     def loss_step(model: nn.Module, batch: training.PaddedBatch, step: int) -> StepOutput:
