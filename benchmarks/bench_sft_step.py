@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
         action="append",
         default=[],
         metavar="KEY=INT",
-        help="a drafter setting, e.g. anchors=64 for dflash (repeatable)",
+        help="a setting of --kind's drafter, e.g. anchors=64 (repeatable)",
     )
     ap.add_argument("--bf16", choices=["both", "off", "on"], default="both")
     return ap.parse_args()
