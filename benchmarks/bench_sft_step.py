@@ -11,7 +11,7 @@ times each on a batch of real shape (rows x tokens of the target's width; hidden
 at random: the cost does not depend on their values) with the target's own LM head. Settings
 alternate within each repeat; the median is reported. Prints one JSON object.
 
-    .venv/bin/python -m benchmarks.bench_sft_step --target DIR [--kind dflash --set anchors=64]
+    .venv/bin/python -m benchmarks.bench_sft_step --target DIR [--kind KIND --set SETTING=VALUE]
         [--vocab 2048 4096 8192] [--bf16 off]
 """
 
