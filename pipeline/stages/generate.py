@@ -109,8 +109,8 @@ def generate_batch(
         mask[i, width - len(p) :] = 1
     sample = cfg.temperature > 0
     out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
         max_new_tokens=cfg.max_new_tokens,
         do_sample=sample,
         temperature=cfg.temperature if sample else None,

