@@ -675,15 +675,19 @@ def _check_recorded_sha256(path: Path, weight_files: Sequence[Path]) -> None:
     if not meta.is_file():
         return
     try:
-        recorded = json.loads(meta.read_text()).get("weights_sha256") or {}
+        record = json.loads(meta.read_text())
+        recorded = record.get("weights_sha256") or {}
     except (OSError, ValueError, AttributeError) as err:
         raise ValueError(f"{meta} is unreadable ({_one_line(err)}); restore it") from None
+    # how to restore it: the record says (a converted target), or git (the embedded one)
+    how = record.get("restore") if isinstance(record.get("restore"), str) else None
+    if how is None and "corpus" in record:  # the embedded target's trainer's record
+        how = "the embedded target is in git: git checkout -- models/tiny_target/model"
     for file in weight_files:
         if file.name in recorded and _files_sha256([file], named=False) != recorded[file.name]:
             raise ValueError(
                 f"{file}: its sha256 differs from the one recorded in {meta.name}, so the file "
-                "is damaged; restore it from its source (the embedded target is in git: "
-                "git checkout -- models/tiny_target/model)"
+                f"is damaged; restore it from its source ({how or 'copy it again'})"
             )
 
 
