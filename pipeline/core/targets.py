@@ -92,8 +92,10 @@ class TargetConfig(StrictConfig):
 
     @property
     def aux_count(self) -> int:
-        """The aux layers the target captures."""
-        return self.aux_layers or DEFAULT_AUX_LAYERS
+        """The aux layers the target captures: `aux_layers`, else as many as the ids given."""
+        if self.aux_layers is not None:
+            return self.aux_layers
+        return len(self.aux_layer_ids) if self.aux_layer_ids else DEFAULT_AUX_LAYERS
 
     @model_validator(mode="after")
     def _aux_ids_fit(self) -> TargetConfig:
