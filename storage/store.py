@@ -74,6 +74,17 @@ def default_root() -> Path:
     return Path(os.environ.get("OPD_HOME", "opd-data"))
 
 
+def check_root_placement(root: Path) -> None:
+    """Refuse a data root inside a dataset version (`<root>/prompts/<v>/...`): its runs and
+    datasets would be written into a committed, immutable version."""
+    for d in (root.resolve(), *root.resolve().parents):
+        if _VERSION_RE.fullmatch(d.name) and _complete(d):
+            raise OpdError(
+                f"--root/OPD_HOME {root} is inside the dataset version {d} (committed, never "
+                "written again): point it at a directory outside any data root's datasets"
+            )
+
+
 @dataclass(frozen=True)
 class DatasetRef:
     """An exact dataset: NAME@VERSION."""
