@@ -361,8 +361,8 @@ def _restored() -> Iterator[None]:
     """This process's environment as it was before, whatever happens inside. vLLM's CPU
     platform writes its engine processes' settings into `os.environ` (LD_PRELOAD of its
     tcmalloc and torch's libgomp, TORCHINDUCTOR_*, LOCAL_WORLD_SIZE): the engines it starts
-    meanwhile get them, and every later child of this process would too; under tcmalloc a
-    later `opd run` child of the test suite peaked 3.37 GiB against its 2.2 GB alone."""
+    meanwhile get them, and every later child of this process would too (another allocator
+    and OpenMP runtime under a process that never asked for them)."""
     before = dict(os.environ)
     try:
         yield

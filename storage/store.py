@@ -1078,7 +1078,8 @@ class Store:
         for c_dir in cache.glob("*/*") if cache.is_dir() else []:
             if not _complete(self.dataset_dir(c_dir.parent.name, c_dir.name)):
                 doomed.append(c_dir)
-        for folder in (self.root, self.root / "_runs", self.root / "_tune", *cache.glob("*/*")):
+        tops = (self.root, self.root / "_runs", self.root / "_tune", self.root / "_baseline")
+        for folder in (*tops, *cache.glob("*/*")):
             if folder.is_dir():
                 doomed += [p for p in folder.glob(".*") if p.is_file() and stale_temporary(p)]
         # Once each, and not again inside a directory that goes anyway.
