@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 PINS := $(VENV)/pins.txt
 
-.PHONY: setup vllm demo test test-fast lint
+.PHONY: setup vllm demo test test-serial test-fast lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,9 +43,15 @@ TEST_ENV := PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 DO_NOT_TRACK=1 
 # every test that starts a vLLM engine shares one (tests/conftest.py).
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=20
 
-# The whole suite, vLLM's engine included: what CI runs (.ci/run).
+# The whole suite, vLLM's engine included: what CI runs (.ci/run). In reverse order: the
+# modules and the tests within each meet other neighbours than in a plain run, so a test that
+# passes only after (or before) another fails here (test-serial runs the plain order).
 test: $(STAMP) $(VLLM_STAMP)
-	$(TEST_ENV) $(PYTEST) tests
+	$(TEST_ENV) $(PYTEST) --reverse-order tests
+
+# The whole suite in one process, in collection order: what `pytest tests` does.
+test-serial: $(STAMP) $(VLLM_STAMP)
+	$(TEST_ENV) $(BIN)/python -m pytest -q -p no:xdist --durations=20 tests
 
 # For quick local runs: everything but the tests that start vLLM engines (no `make vllm` needed).
 test-fast: $(STAMP)

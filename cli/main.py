@@ -17,6 +17,7 @@ import torch
 from cli import data, experiment, measure, run, serve, target
 from models import vllm_engine
 from storage import OpdError, Store, default_root
+from storage.store import check_root_placement
 
 
 class _Group(click.Group):
@@ -80,6 +81,7 @@ def cli(ctx: click.Context, root: Path | None, threads: int | None, verbose: boo
         os.environ["OPD_HOME"] = str(root)
     if verbose:
         os.environ[vllm_engine.VERBOSE_ENV] = "1"  # engines start in this process or its ranks
+    check_root_placement(root if root is not None else default_root())
     ctx.obj = Store(root if root is not None else default_root())
 
 

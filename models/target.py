@@ -40,13 +40,26 @@ if TYPE_CHECKING:
 def default_aux_layer_ids(num_layers: int, count: int = 3) -> tuple[int, ...]:
     """Default feature layers, HF `hidden_states[k]` convention (state entering layer k): for
     three, EAGLE-3's and vLLM's (2, N//2, N-3); for another count, spread evenly from the output
-    of layer 1 to that of layer N-3, where the public DFlash recipe places its context layers."""
+    of layer 1 to that of layer N-3, where the public DFlash recipe places its context layers.
+    A target too shallow for those (they would repeat or leave the range: (2, 2, 1) for 4
+    layers) gets `count` ids spread evenly over all of [1, N), when it has that many."""
     if count == 3:
-        return (2, num_layers // 2, num_layers - 3)
+        ids: tuple[int, ...] = (2, num_layers // 2, num_layers - 3)
+    elif count == 1:
+        ids = (num_layers // 2 + 1,)
+    else:
+        span = num_layers - 4  # from layer 1's output to layer N-3's, both 0-based
+        ids = tuple(2 + round(j * span / (count - 1)) for j in range(count))
+    fits = (
+        ids[0] >= 1
+        and ids[-1] < num_layers
+        and all(b > a for a, b in zip(ids, ids[1:], strict=False))
+    )
+    if fits or count > num_layers - 1:
+        return ids
     if count == 1:
-        return (num_layers // 2 + 1,)
-    span = num_layers - 4  # from layer 1's output to layer N-3's, both 0-based
-    return tuple(2 + round(j * span / (count - 1)) for j in range(count))
+        return (num_layers // 2,)
+    return tuple(1 + round(j * (num_layers - 2) / (count - 1)) for j in range(count))
 
 
 def check_aux_layer_ids(
@@ -97,6 +110,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 RECORDED_SUMS_FILE = "opd_target.json"
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+SETTINGS_FILES = (
+    "config.json",
+    "generation_config.json",
+    *TOKENIZER_FILES,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    *TEMPLATE_FILES,
+)
+"""Files beside the weights that change what a target computes or how prompts reach it: its
+architecture and rope, its generation settings, its tokenizer and its chat template
+(`settings_sha256`)."""
+EXTRA_TEMPLATES = "additional_chat_templates"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HASH_CHUNK = 8 << 20
 
@@ -647,16 +675,31 @@ def _check_recorded_sha256(path: Path, weight_files: Sequence[Path]) -> None:
     if not meta.is_file():
         return
     try:
-        recorded = json.loads(meta.read_text()).get("weights_sha256") or {}
+        record = json.loads(meta.read_text())
+        recorded = record.get("weights_sha256") or {}
     except (OSError, ValueError, AttributeError) as err:
         raise ValueError(f"{meta} is unreadable ({_one_line(err)}); restore it") from None
+    # how to restore it: the record says (a converted target), or git (the embedded one)
+    how = record.get("restore") if isinstance(record.get("restore"), str) else None
+    if how is None and "corpus" in record:  # the embedded target's trainer's record
+        how = "the embedded target is in git: git checkout -- models/tiny_target/model"
     for file in weight_files:
         if file.name in recorded and _files_sha256([file], named=False) != recorded[file.name]:
             raise ValueError(
                 f"{file}: its sha256 differs from the one recorded in {meta.name}, so the file "
-                "is damaged; restore it from its source (the embedded target is in git: "
-                "git checkout -- models/tiny_target/model)"
+                f"is damaged; restore it from its source ({how or 'copy it again'})"
             )
+
+
+def settings_sha256(directory: Path, names: Sequence[str] = SETTINGS_FILES) -> str:
+    """sha256 over the `names` files `directory` holds (each file's name and bytes; absent ones
+    count as absent) and its extra chat templates: with the weights' sha256, a target's
+    identity, so an edited template, tokenizer or config makes new dataset versions."""
+    directory = Path(directory)
+    files = [directory / n for n in names if (directory / n).is_file()]
+    if any(n in TEMPLATE_FILES for n in names) and (directory / EXTRA_TEMPLATES).is_dir():
+        files += sorted((directory / EXTRA_TEMPLATES).glob("*.jinja"))
+    return _files_sha256(files)
 
 
 def _files_sha256(files: Sequence[Path], *, named: bool = True) -> str:

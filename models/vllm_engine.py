@@ -342,7 +342,7 @@ def engine(spec: EngineSpec, log: Path | None = None) -> Any:
         if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":  # else vLLM refuses a config
             kwargs["log_config_file"] = str(_file_logging(log))
     before = set(multiprocessing.active_children())
-    with _stderr_tail(log) as tail, _environ("VLLM_RPC_BASE_PATH", str(sockets)):
+    with _stderr_tail(log) as tail, _environ("VLLM_RPC_BASE_PATH", str(sockets)), _restored():
         try:
             llm = LLM(**kwargs)
         except Exception as e:  # vLLM raises ValueError, pydantic errors and RuntimeError here
@@ -354,6 +354,22 @@ def engine(spec: EngineSpec, log: Path | None = None) -> Any:
     if log is not None:
         _ENGINE_LOGS[spec] = log
     return llm
+
+
+@contextmanager
+def _restored() -> Iterator[None]:
+    """This process's environment as it was before, whatever happens inside. vLLM's CPU
+    platform writes its engine processes' settings into `os.environ` (LD_PRELOAD of its
+    tcmalloc and torch's libgomp, TORCHINDUCTOR_*, LOCAL_WORLD_SIZE): the engines it starts
+    meanwhile get them, and every later child of this process would too (another allocator
+    and OpenMP runtime under a process that never asked for them)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        os.environ.update(before)
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, create_model, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, create_model, model_validator
 
 from models.drafters import DEFAULT_KIND, KINDS
 from pipeline.core.config import (
@@ -211,6 +211,25 @@ def _problem(err: Any) -> str:
     return f"{loc}: {msg}" if loc else msg
 
 
+def _fit_profile_aux_ids(data: dict[str, Any], user: dict[str, Any]) -> None:
+    """Drop a profile's `target.aux_layer_ids` when the configured drafter reads another
+    number of target layers: they were chosen for the profile's kind, and the target's aux
+    layers follow the kind (`_read_what_the_kind_reads`), so the kind's count gets its default
+    ids. Ids the user gives (--config, --set) stay, and must fit."""
+    target, given = data.get("target"), user.get("target")
+    if not isinstance(target, dict) or "aux_layer_ids" not in target:
+        return
+    if isinstance(given, dict) and ("aux_layer_ids" in given or "aux_layers" in given):
+        return
+    try:
+        count = TypeAdapter(DrafterConfig).validate_python(data.get("drafter") or {}).reads()
+    except (ValidationError, ValueError):
+        return  # the full validation names the problem
+    ids = target["aux_layer_ids"]
+    if count.target_layers and isinstance(ids, list) and len(ids) != count.target_layers:
+        data["target"] = {k: v for k, v in target.items() if k != "aux_layer_ids"}
+
+
 def load_config(
     profile: str = "default", config_file: Path | None = None, sets: list[str] = ()
 ) -> PipelineConfig:
@@ -241,6 +260,7 @@ def load_config(
     drafter = _merge(data, user).get("drafter")
     kind = drafter.get("kind", DEFAULT_KIND) if isinstance(drafter, dict) else None
     data = _merge(_merge(data, by_kind.get(kind, {}) if isinstance(kind, str) else {}), user)
+    _fit_profile_aux_ids(data, user)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

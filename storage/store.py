@@ -74,6 +74,17 @@ def default_root() -> Path:
     return Path(os.environ.get("OPD_HOME", "opd-data"))
 
 
+def check_root_placement(root: Path) -> None:
+    """Refuse a data root inside a dataset version (`<root>/prompts/<v>/...`): its runs and
+    datasets would be written into a committed, immutable version."""
+    for d in (root.resolve(), *root.resolve().parents):
+        if _VERSION_RE.fullmatch(d.name) and _complete(d):
+            raise OpdError(
+                f"--root/OPD_HOME {root} is inside the dataset version {d} (committed, never "
+                "written again): point it at a directory outside any data root's datasets"
+            )
+
+
 @dataclass(frozen=True)
 class DatasetRef:
     """An exact dataset: NAME@VERSION."""
@@ -1067,7 +1078,8 @@ class Store:
         for c_dir in cache.glob("*/*") if cache.is_dir() else []:
             if not _complete(self.dataset_dir(c_dir.parent.name, c_dir.name)):
                 doomed.append(c_dir)
-        for folder in (self.root, self.root / "_runs", self.root / "_tune", *cache.glob("*/*")):
+        tops = (self.root, self.root / "_runs", self.root / "_tune", self.root / "_baseline")
+        for folder in (*tops, *cache.glob("*/*")):
             if folder.is_dir():
                 doomed += [p for p in folder.glob(".*") if p.is_file() and stale_temporary(p)]
         # Once each, and not again inside a directory that goes anyway.

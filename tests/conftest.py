@@ -11,6 +11,28 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 torch.set_num_threads(1)
+# What every test starts from: a test (or a library it drives, as vLLM's CPU platform writing
+# LD_PRELOAD) that changes the environment or torch's threads must not reach the next one or
+# the processes it starts, so results do not depend on order or on how workers share tests.
+_ENVIRON = dict(os.environ)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--reverse-order",
+        action="store_true",
+        help="run the tests in reverse order (the suite's check that no test depends on another)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state():
+    yield
+    for name in set(os.environ) - set(_ENVIRON):
+        if not name.startswith("PYTEST_"):  # pytest's own (PYTEST_CURRENT_TEST), it unsets
+            del os.environ[name]
+    os.environ.update(_ENVIRON)
+    torch.set_num_threads(1)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups to schedule by
@@ -24,6 +46,8 @@ def pytest_collection_modifyitems(config, items):
     # Longest first, so neither worker is left alone with a long group at the end: the vLLM
     # group (engine starts, two trained drafters, ~10 min), then the `slow` modules, then the
     # rest. A stable sort keeps every module's own order.
+    if config.getoption("--reverse-order"):
+        items.reverse()  # each module's own order reversed too; the groups below stay
     items.sort(
         key=lambda item: (
             item.get_closest_marker("vllm") is None,

@@ -24,6 +24,8 @@ def check_same_target(ds: Dataset, identity: dict) -> None:
     if theirs is None:
         return
     keys = ("weights_sha256", "hidden_size", "vocab_size", "num_layers", "aux_layer_ids")
+    # the files beside the weights, where the dataset records them (older ones do not)
+    keys += ("settings_sha256",) if "settings_sha256" in theirs else ()
     diff = {k: (theirs.get(k), identity.get(k)) for k in keys if theirs.get(k) != identity.get(k)}
     if diff:
         raise OpdError(

@@ -101,6 +101,19 @@ def check_drafter_settings(drafter: DrafterConfig, target: Target) -> None:
         ) from None
 
 
+def check_reads_recorded_target(drafter: DrafterConfig, aux_count: int, ref: str) -> None:
+    """Refuse, before any work, training a fresh drafter on data whose target captured another
+    number of aux layers than the configured kind reads (`ref` made them)."""
+    wanted = drafter.reads().target_layers
+    if wanted and wanted != aux_count:
+        raise OpdError(
+            f"{ref} holds {aux_count} target layers per position, and the configured {drafter.spec.title} "
+            f"drafter reads {wanted}: train a drafter that reads {aux_count} (the kind the data "
+            f"was made for), or make the data again for this one (opd run features --set "
+            f"drafter.kind={drafter.kind} ...)"
+        )
+
+
 def load_drafter_dataset(
     ds: Dataset, target: Target, identity: dict, *, kind: str | None = None
 ) -> Drafter:

@@ -15,11 +15,14 @@ from pydantic import Field, model_validator
 from models import smollm2, vllm_engine
 from models.shapes import SHAPES, ModelShape, build_model, scaled, synthetic_tokenizer
 from models.target import (
+    SETTINGS_FILES,
+    TEMPLATE_FILES,
     Target,
     check_aux_layer_ids,
     check_aux_layer_order,
     default_aux_layer_ids,
     load_target,
+    settings_sha256,
 )
 from pipeline.core.config import StrictConfig
 from storage import Dataset, OpdError, default_root
@@ -89,8 +92,10 @@ class TargetConfig(StrictConfig):
 
     @property
     def aux_count(self) -> int:
-        """The aux layers the target captures."""
-        return self.aux_layers or DEFAULT_AUX_LAYERS
+        """The aux layers the target captures: `aux_layers`, else as many as the ids given."""
+        if self.aux_layers is not None:
+            return self.aux_layers
+        return len(self.aux_layer_ids) if self.aux_layer_ids else DEFAULT_AUX_LAYERS
 
     @model_validator(mode="after")
     def _aux_ids_fit(self) -> TargetConfig:
@@ -356,11 +361,23 @@ class TargetLoader:
 
     @cached_property
     def identity(self) -> dict[str, Any]:
-        """Weights hash + architecture + resolved dtype; not the path (a moved checkout keeps its
-        versions) and not the device."""
+        """Weights hash + architecture + resolved dtype + the hash of the files beside the
+        weights that change its outputs (config, tokenizer, chat template: `settings_sha256`);
+        not the path (a moved checkout keeps its versions) and not the device."""
         ident = {k: v for k, v in self.target.identity.items() if k != "path"}
         ident["dtype"] = resolve_dtype(self.cfg)
+        ident["settings_sha256"] = self._settings_sha256()
         return ident
+
+    def _settings_sha256(self) -> str:
+        if self.cfg.path.startswith(SHAPE_PREFIX):  # the embedded BPE and template (`tokenizer`)
+            return settings_sha256(EMBEDDED_TARGET, ("tokenizer.json", *TEMPLATE_FILES))
+        if self.cfg.path == "random":  # built from its config section; the embedded tokenizer
+            tokenizer = [
+                n for n in SETTINGS_FILES if n not in ("config.json", "generation_config.json")
+            ]
+            return settings_sha256(EMBEDDED_TARGET, tokenizer)
+        return settings_sha256(model_directory(self.cfg.path))
 
     def record(self) -> dict[str, Any]:
         """The manifest `meta` entry that lets later commands load this target again."""

@@ -35,7 +35,7 @@ import polars as pl
 
 from models.drafters import DEFAULT_KIND, KINDS
 from pipeline import chains
-from pipeline.core.drafters import METRICS_FILE
+from pipeline.core.drafters import METRICS_FILE, refuse_untrained
 from pipeline.core.report import md_table
 from pipeline.core.runner import RunContext, StageResult, run_stage
 from pipeline.profiles import PipelineConfig
@@ -67,6 +67,7 @@ def sft_config(cfg: PipelineConfig, objective: str, seed: int) -> sft.Config:
 
 
 def _check(cfg: PipelineConfig, seeds: int) -> None:
+    refuse_untrained(cfg.drafter.kind, "the objectives experiment")
     if seeds < 1:
         raise OpdError(f"--seeds must be >= 1, got {seeds}")
     if cfg.sft.objective is not None:

@@ -40,7 +40,7 @@ import polars as pl
 
 from pipeline import chains
 from pipeline.core.config import default_drafter
-from pipeline.core.drafters import METRICS_FILE
+from pipeline.core.drafters import METRICS_FILE, refuse_untrained
 from pipeline.core.report import figure, md_table, png
 from pipeline.core.runner import RunContext, StageResult, run_stage
 from pipeline.experiments import report
@@ -74,6 +74,7 @@ def run_config(cfg: PipelineConfig, share: float, size: float) -> sft.Config:
 def _check(
     cfg: PipelineConfig, shares: list[float], epochs: list[float], steps: list[float]
 ) -> None:
+    refuse_untrained(cfg.drafter.kind, "the sft-plateau experiment")
     if size_unit(cfg) == "steps" and epochs:
         raise OpdError(
             "sft.steps is set, so the runs are sized in steps: give --steps instead of --epochs "

@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import platform
 import time
 from dataclasses import dataclass, field
@@ -498,15 +499,85 @@ def baseline_plan(cfg: Config, drafter, prompts: Dataset, ctx: RunContext):
         # 2: its speed-up is over plain decoding timed in its own pass (earlier files hold one
         # over another pass's)
         "timing": 2,
+        # 2: the file holds its numbers with their sha256 (`read_cached_baseline`)
+        "format": 2,
     }
     digest = hashlib.sha256(canonical_json(key).encode()).hexdigest()[:16]
     path = ctx.store.root / BASELINE_DIR / f"{digest}.json"
+    return lookup, path, read_cached_baseline(path, cfg.k)
+
+
+def read_cached_baseline(path: Path, k: int) -> dict[str, Any] | None:
+    """The free baseline's numbers cached in `path`, or None (measure them again): absent, or,
+    with one warning naming the file, unreadable, not matching their sha256 (edited or damaged)
+    or out of range for K=`k` drafted tokens. The numbers go into an eval's manifest as
+    measured, so a damaged entry is never trusted."""
+    if not path.exists() and not path.is_symlink():
+        return None
     try:
-        cached = read_json_object(path) if path.is_file() else None
-    except UnreadableJson as e:
-        log.warning("%s; measuring the free baseline again", e)
-        cached = None
-    return lookup, path, cached
+        if not path.is_file():
+            raise UnreadableJson(path, "it is not a regular file")
+        entry = read_json_object(path)
+        stats, digest = entry.get("stats"), entry.get("sha256")
+        if not isinstance(stats, dict) or not isinstance(digest, str):
+            raise UnreadableJson(path, "it holds no numbers with their sha256")
+        if hashlib.sha256(canonical_json(stats).encode()).hexdigest() != digest:
+            raise UnreadableJson(path, "its numbers do not match their sha256 (edited or damaged)")
+        if (problem := baseline_range_problem(stats, k)) is not None:
+            raise UnreadableJson(path, problem)
+    except (UnreadableJson, OSError, ValueError) as e:
+        reason = e.reason if isinstance(e, UnreadableJson) else str(e)
+        log.warning("free baseline cache %s: %s; measuring it again", path, reason)
+        return None
+    return stats
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def baseline_range_problem(stats: dict[str, Any], k: int) -> str | None:
+    """What makes the free baseline's numbers impossible for chains of `k` drafted tokens
+    (None: they are possible): τ counts the accepted drafts plus the target's token, so
+    1 <= τ <= k + 1; α are rates; a verify step emits at least one token."""
+    if not isinstance(stats.get("kind"), str) or not isinstance(stats.get("title"), str):
+        return "it names no baseline kind"
+    tau = stats.get("tau")
+    if not _number(tau) or not 1 <= tau <= k + 1:
+        return f"tau={tau!r} is outside [1, {k + 1}], the range at K={k}"
+    alpha = stats.get("alpha")
+    if not isinstance(alpha, list) or len(alpha) > k:
+        return f"alpha={alpha!r} is not a list of at most {k} rates"
+    if not all(_number(a) and 0 <= a <= 1 for a in alpha):
+        return f"alpha={alpha!r} holds a value outside [0, 1]"
+    forwards = stats.get("target_forwards_per_token")
+    if not _number(forwards) or not 0 < forwards <= 1:
+        return f"target_forwards_per_token={forwards!r} is outside (0, 1]"
+    for name in ("tokens_per_s", "speedup", "plain_tokens_per_s"):
+        if name in stats or name == "tokens_per_s":
+            value = stats.get(name)
+            if not _number(value) or value <= 0:
+                return f"{name}={value!r} is not a positive number"
+    if "lossless_t0" in stats and not isinstance(stats["lossless_t0"], bool):
+        return f"lossless_t0={stats['lossless_t0']!r} is not true or false"
+    return None
+
+
+def write_cached_baseline(path: Path, stats: dict[str, Any]) -> None:
+    """Cache the free baseline's numbers with their sha256; a cache that cannot be written
+    (its directory a file, the entry a directory, a read-only root) costs a warning, not the
+    evaluation."""
+    entry = {"stats": stats, "sha256": hashlib.sha256(canonical_json(stats).encode()).hexdigest()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(entry, indent=2, sort_keys=True))
+    except OSError as e:
+        log.warning(
+            "free baseline cache %s not written (%s): the next evaluation measures it again; "
+            "remove what is in the way",
+            path,
+            e.strerror or e,
+        )
 
 
 def baseline_stats(part: Decoded, cfg: Config, prompts: int, spec) -> dict[str, Any]:
@@ -599,8 +670,7 @@ def run(
         stats |= {"tau_untrained": base["tau"], "alpha_untrained": base["alpha"]}
     if "baseline" in merged:
         free = baseline_stats(merged["baseline"], cfg, len(prompts), baseline_kind())
-        plan[1].parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(plan[1], json.dumps(free, indent=2, sort_keys=True))
+        write_cached_baseline(plan[1], free)
         stats["free_baseline"] = free
     elif plan is not None:
         stats["free_baseline"] = plan[2] | {"cached": str(plan[1])}

@@ -129,3 +129,22 @@ def test_an_option_out_of_its_range_is_one_line_not_clicks_usage_block(tmp_path)
         args = args if args[0] == "--threads" else [*args, "--profile", "tiny"]
         assert message in _one_line_error(root, *args), args
     assert not root.exists()  # nothing written
+
+
+def test_a_data_root_inside_a_dataset_version_is_refused(tmp_path):
+    version = tmp_path / "root" / "prompts" / "0123456789ab"
+    version.mkdir(parents=True)
+    (version / "manifest.json").write_text("{}")
+    for inner in (version, version / "deeper"):
+        before = sorted(version.rglob("*"))
+        result = CliRunner().invoke(
+            cli, ["--root", str(inner), "run", "prompts", "--profile", "tiny"]
+        )
+        assert result.exit_code == 2, result.output
+        assert (
+            result.output.startswith("error: --root/OPD_HOME")
+            and "inside the dataset" in result.output
+        )
+        assert sorted(version.rglob("*")) == before  # nothing written into the version
+    ok = CliRunner().invoke(cli, ["--root", str(tmp_path / "root"), "ls"])
+    assert ok.exit_code == 0, ok.output

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+import shutil
 
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
 from pipeline.core import targets
 from pipeline.core.targets import TargetConfig, TargetLoader
 from storage import OpdError
@@ -52,3 +57,39 @@ def test_a_shape_larger_than_the_memory_available_is_one_line_before_any_tensor(
 def test_available_memory_reads_this_machine():
     free = targets.available_memory()
     assert free is None or free > 0
+
+
+@pytest.mark.parametrize(
+    "edit",
+    ["chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json"],
+)
+def test_an_edit_to_any_file_that_changes_a_targets_outputs_changes_its_identity(tmp_path, edit):
+    copy = tmp_path / "target"
+    shutil.copytree(targets.EMBEDDED_TARGET, copy)
+    before = TargetLoader(TargetConfig(path=str(copy))).identity
+    path = copy / edit
+    if edit.endswith(".json"):  # the same settings written out again: other bytes, still loads
+        path.write_text(json.dumps(json.loads(path.read_text()), indent=3))
+    else:
+        path.write_text(path.read_text().replace("<|assistant|>", "<|assistant|> "))
+    after = TargetLoader(TargetConfig(path=str(copy))).identity
+    assert after["weights_sha256"] == before["weights_sha256"]
+    assert after != before and after["settings_sha256"] != before["settings_sha256"]
+    # a moved copy keeps it: the path is no part of it
+    shutil.copytree(copy, tmp_path / "moved")
+    assert TargetLoader(TargetConfig(path=str(tmp_path / "moved"))).identity == after
+
+
+def test_prompts_rendered_with_an_old_chat_template_are_not_reused(tmp_path):
+    copy = tmp_path / "target"
+    shutil.copytree(targets.EMBEDDED_TARGET, copy)
+    args = ["--root", str(tmp_path / "root"), "--threads", "1", "run", "prompts", "--profile"]
+    args += ["tiny", "--no-progress", "--set", f"target.path={copy}"]
+    first = CliRunner().invoke(cli, args)
+    assert first.exit_code == 0, first.output
+    template = copy / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|assistant|>", "<|assistant|> "))
+    second = CliRunner().invoke(cli, args)
+    assert second.exit_code == 0, second.output
+    made = [line.split()[1] for r in (first, second) for line in r.output.splitlines()]
+    assert "(cached)" not in second.output and made[0] != made[1], (first.output, second.output)

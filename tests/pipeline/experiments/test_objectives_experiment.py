@@ -114,6 +114,8 @@ def test_objectives_trains_both_at_matched_steps_and_writes_its_report(tiny):
         (['drafting.tree={"depth": 3, "top_k": 2, "budget": 6}'], 1, "drop drafting.tree"),
         # its table held lossy T=1 numbers, unmarked
         (["drafting.acceptance=typical"], 1, "drafting.acceptance=typical is lossy: drop it"),
+        # it ran prompts and sft first, then failed on "no drafted tokens"
+        (["drafter.kind=ngram"], 1, "ngram drafter needs no training, so the objectives"),
     ],
 )
 def test_objectives_refuses_bad_input_before_any_work(tiny, sets, seeds, message):

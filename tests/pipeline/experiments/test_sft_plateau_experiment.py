@@ -139,6 +139,8 @@ def test_the_verdict_names_the_last_step_up_and_whether_it_paid():
         ([*EPOCHS, "sft.train_share=0.5"], [1.0], None, None, "sets sft.train_share itself"),
         (EPOCHS, [0.0, 1.0], None, None, r"--data-shares must be in \(0, 1\]"),
         (EPOCHS, [1.0], [0.0], None, "--epochs must be > 0"),
+        # it ran sft first, then failed on "val_share must be above 0"
+        ([*EPOCHS, "drafter.kind=ngram"], [1.0], None, None, "ngram drafter needs no training"),
     ],
 )
 def test_sft_plateau_refuses_bad_input_before_any_work(tiny, sets, shares, epochs, steps, message):

@@ -1,5 +1,8 @@
 """Stage `evaluate` on the tiny profile: τ and α add up, T=0 is lossless, mismatches are explained."""
 
+import hashlib
+import json
+
 import polars as pl
 import pytest
 import torch
@@ -8,7 +11,7 @@ from models.decoding import target_generate
 from pipeline.core.config import version_dict
 from pipeline.core.runner import run_stage
 from pipeline.stages import evaluate, features, generate, sft
-from storage import OpdError
+from storage import OpdError, canonical_json
 
 
 @pytest.fixture
@@ -133,3 +136,65 @@ def test_every_decoding_pass_shows_its_own_progress(drafted, capsys):
     err = capsys.readouterr().err
     for desc in ("evaluate", "untrained contrast", "free baseline"):
         assert f"{desc}: 100%" in err, err[-2000:]
+
+
+def _eval(ctx, cfg, prompts, drafter, contrast: bool):
+    ecfg = cfg.evaluate.model_copy(update={"untrained_contrast": contrast})
+    return run_stage(evaluate.STAGE, ecfg, {"prompts": prompts, "drafter": drafter}, ctx).dataset
+
+
+def _flip_tau(entry: dict) -> dict:
+    entry["stats"]["tau"] += 8  # a flipped leading digit; the sha256 still the old numbers'
+    return entry
+
+
+def _impossible_tau(entry: dict) -> dict:
+    entry["stats"]["tau"] = 9.857  # τ <= K + 1 = 4, with a matching sha256
+    entry["sha256"] = hashlib.sha256(canonical_json(entry["stats"]).encode()).hexdigest()
+    return entry
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _flip_tau,
+        _impossible_tau,
+        lambda entry: {},
+        lambda entry: entry | {"stats": entry["stats"] | {"tau": "1.5"}},
+        lambda entry: entry | {"stats": entry["stats"] | {"tau": None}},
+    ],
+    ids=["flipped-digit", "out-of-range", "empty", "string-tau", "null-tau"],
+)
+def test_a_damaged_baseline_cache_entry_is_measured_again_with_one_warning(drafted, caplog, damage):
+    ctx, cfg, prompts, drafter = drafted
+    first = _eval(ctx, cfg, prompts, drafter, contrast=False).meta["free_baseline"]
+    [entry] = (ctx.store.root / evaluate.BASELINE_DIR).glob("*.json")
+    entry.write_text(json.dumps(damage(json.loads(entry.read_text()))))
+    caplog.clear()
+    again = _eval(ctx, cfg, prompts, drafter, contrast=True).meta["free_baseline"]
+    # measured again (no "cached"), so the same counts as the first measurement
+    assert "cached" not in again and again["tau"] == first["tau"] <= cfg.evaluate.k + 1
+    warned = [r.getMessage() for r in caplog.records if "free baseline cache" in r.getMessage()]
+    assert len(warned) == 1 and str(entry) in warned[0], warned
+    # and cached again, intact: a third evaluation reads it
+    assert evaluate.read_cached_baseline(entry, cfg.evaluate.k) == {
+        k: v for k, v in again.items() if k != "cached"
+    }
+
+
+@pytest.mark.parametrize("where", ["entry-is-a-directory", "cache-dir-is-a-file"])
+def test_a_baseline_cache_in_the_way_costs_a_warning_not_the_evaluation(drafted, caplog, where):
+    ctx, cfg, prompts, drafter = drafted
+    cache = ctx.store.root / evaluate.BASELINE_DIR
+    if where == "cache-dir-is-a-file":
+        cache.write_text("not a directory")
+    else:
+        _eval(ctx, cfg, prompts, drafter, contrast=False)
+        [entry] = cache.glob("*.json")
+        entry.unlink()
+        entry.mkdir()
+    caplog.clear()
+    free = _eval(ctx, cfg, prompts, drafter, contrast=True).meta["free_baseline"]
+    assert "cached" not in free and 1 <= free["tau"] <= cfg.evaluate.k + 1
+    warned = [r.getMessage() for r in caplog.records if "free baseline cache" in r.getMessage()]
+    assert warned and all(str(cache) in w for w in warned), warned
