@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -49,9 +50,8 @@ def show(root: Path, ref: str) -> dict:
 
 
 def summary_of(root: Path, ref: str) -> dict:
-    shown = show(root, ref)
-    manifest = shown.get("manifest", shown)
-    return {"version": manifest["version"], **manifest.get("summary", {})}
+    manifest = show(root, ref)
+    return {k: manifest[k] for k in ("version", "rows", "bytes")} | manifest["meta"]
 
 
 def pack(root: Path, out: Path, sft_full: str, record: dict) -> list[Path]:
@@ -88,6 +88,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--profile", default="smollm2", help="tiny: the same steps on an in-process target, to test"
+    )
     ap.add_argument("--rows", type=int, default=7000, help="distinct Magpie requests")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=512, help="sequences per generate batch")
@@ -97,6 +100,13 @@ def main() -> None:
     ap.add_argument("--probe-steps", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=480, help="wall clock for everything")
     ap.add_argument("--set", action="append", default=[], help="extra overrides, every stage")
+    ap.add_argument(
+        "--settings-from",
+        type=Path,
+        help="a converted smollm2 directory whose config, tokenizer and template files replace "
+        "the ones converted here, so that both machines' targets have one identity (another "
+        "transformers version writes other bytes for the same settings); the weights stay",
+    )
     args = ap.parse_args()
     t0 = time.monotonic()
     left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
@@ -110,12 +120,20 @@ def main() -> None:
         print(f"[{time.monotonic() - t0:.0f}s] {name} done in {timings[name]} s", flush=True)
 
     sets = [x for s in args.set for x in ("--set", s)]
-    common = ["--profile", "smollm2", *sets]
-    t = time.monotonic()
-    opd(args.root, "target", "get", "smollm2")
-    timings["target get"] = round(time.monotonic() - t, 1)
+    common = ["--profile", args.profile, *sets]
+    if args.profile == "smollm2":
+        t = time.monotonic()
+        opd(args.root, "target", "get", "smollm2")
+        timings["target get"] = round(time.monotonic() - t, 1)
+    if args.settings_from is not None and args.profile == "smollm2":
+        here = args.root / "targets" / "smollm2"
+        for f in sorted(args.settings_from.iterdir()):
+            if f.is_file() and f.suffix in (".json", ".jinja") and f.name != "opd_target.json":
+                shutil.copyfile(f, here / f.name)
+                print(f"settings: {f.name} from {args.settings_from}", flush=True)
     stage(
         "prompts",
+        "--set", "prompts.source=magpie",
         "--set", f"prompts.magpie.rows={args.rows}",
         "--set", f"prompts.magpie.max_draws={args.rows * 3}",
         "--set", f"prompts.magpie.batch_size={args.batch}",
