@@ -140,8 +140,10 @@ def test_every_decoding_pass_shows_its_own_progress(drafted, capsys):
 
 
 def test_a_bf16_evaluation_counts_the_outputs_identical_to_plain_greedy(tmp_path):
-    # the whole chain in bf16 (a drafter records the target's dtype): near-ties may flip
-    cfg = load_config("tiny", sets=["target.dtype=bfloat16", "evaluate.batch_size=3"])
+    # the whole chain in bf16 (a drafter records the target's dtype): near-ties may flip, and
+    # in 32 tokens some did here (2 of 4 prompts, top-2 gaps 0.03); the test recounts either way
+    sets = ["target.dtype=bfloat16", "evaluate.batch_size=3", "evaluate.max_new_tokens=32"]
+    cfg = load_config("tiny", sets=sets)
     store = Store(tmp_path / "data")
     ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
     prompts = write_prompts(store)
