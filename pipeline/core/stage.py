@@ -72,6 +72,10 @@ class Stage:
     version_config: Callable[[Any], dict] | None = None
     """The config as the version records it, where that is not `version_dict(cfg)`: e.g. input
     files by name when `version_extra` already hashes their content."""
+    resolve: Callable[[Any, Any], Any] | None = None
+    """resolve(cfg, ctx) -> cfg with its machine-dependent `auto` settings made concrete (a
+    training stage's `bf16`), before the version is computed and the stage runs: the version
+    records what this machine does, not what the user left to it."""
     engine: Callable[[Any, Any], str | None] | None = None
     """engine(cfg, ctx): what a `backend: auto` setting resolves to on this machine; it is
     hashed into the version, since different engines write different (equally valid) tokens."""

@@ -24,6 +24,7 @@ from models.target import (
     load_target,
     settings_sha256,
 )
+from pipeline.core import precision
 from pipeline.core.config import StrictConfig
 from storage import Dataset, OpdError, default_root
 
@@ -73,9 +74,10 @@ class TargetConfig(StrictConfig):
     the drafter run; never part of a version (the same weights give the same data anywhere, up
     to `dtype`, which is)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """`auto`: bf16 on CUDA (what GPU targets are served in), fp32 on CPU, where it keeps T=0
-    speculative decoding exactly equal to plain greedy decoding. The resolved dtype enters the
-    target's identity."""
+    """`auto`: bf16 where the device runs it natively (CUDA, a CPU with AMX:
+    `pipeline.core.precision.native_bf16`), else fp32. The resolved dtype enters the target's
+    identity, so fp32 and bf16 datasets never mix. In bf16 a T=0 speculative output can differ
+    from plain greedy decoding at near-ties (evaluate counts them); fp32 keeps them equal."""
     device_map: Literal["auto"] | None = None
     """`auto`: spread a target too large for one GPU over every visible GPU with accelerate
     (local model directories only); the drafter then runs where the LM head is."""
@@ -205,7 +207,7 @@ def resolve_dtype(cfg: TargetConfig) -> str:
     if cfg.dtype != "auto":
         return cfg.dtype
     on_gpu = cfg.device_map is not None or resolve_device(cfg).type == "cuda"
-    return "bfloat16" if on_gpu else "float32"
+    return "bfloat16" if on_gpu or precision.native_bf16("cpu") else "float32"
 
 
 def _build_random(cfg: RandomTargetConfig, vocab_size: int, tokenizer: Any) -> torch.nn.Module:

@@ -20,7 +20,6 @@ uninterrupted one would (on CPU).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import signal
@@ -40,6 +39,9 @@ from tqdm import tqdm
 from models.drafter import Drafter
 from pipeline.core import training
 from pipeline.core.config import StrictConfig, optional_field, runtime_field
+from pipeline.core.precision import Bf16Setting, resolve_bf16
+from pipeline.core.precision import native_bf16 as native_bf16  # where benchmarks import it
+from pipeline.core.targets import resolve_device
 from storage import OpdError
 
 log = logging.getLogger("opd")
@@ -110,9 +112,11 @@ class TrainConfig(StrictConfig):
         "whose length is set by a budget gets a known number of points on its curve"
     )
     seed: int = 0
-    bf16: bool = True
-    """bf16 autocast (fp32 master weights): 1.4-1.8x faster on CPUs with AMX (ENV-NOTES); on a
-    CPU without native bf16 (AVX2 only) training runs in fp32 instead (`native_bf16`)."""
+    bf16: Bf16Setting = "auto"
+    """bf16 autocast (fp32 master weights): `auto` where the device runs bf16 natively (CUDA, a
+    CPU with AMX: 1.4-1.8x faster there, ENV-NOTES; `pipeline.core.precision.native_bf16`),
+    else fp32; true forces it (emulated, 7.8x slower, on an AVX2-only CPU). The version holds
+    the resolved true/false (`resolved`), so fp32 and bf16 drafters never share one."""
     checkpoint_every: int = runtime_field(100, "save a resumable checkpoint every N steps")
     stop_after_steps: int | None = runtime_field(
         None, "stop (TrainingStopped) after N steps with a checkpoint saved; a re-run resumes"
@@ -190,18 +194,19 @@ class TrainingStopped(OpdError):
     """`stop_after_steps` was reached: the checkpoint is saved and a re-run resumes from it."""
 
 
-@functools.cache
-def native_bf16(device_type: str) -> bool:
-    """Whether bf16 runs natively: on CUDA, and on CPUs with oneDNN's bf16 kernels (AVX-512).
-    An AVX2-only CPU emulates bf16: there SmolLM2's EAGLE-3 step took 7.8x its fp32 time."""
-    return device_type != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def resolve_precision(cfg: TrainConfig, ctx: Any) -> TrainConfig:
+    """`cfg` with `bf16` resolved on the device the run trains on, the target's (a training
+    stage's `Stage.resolve`)."""
+    if cfg.bf16 != "auto":
+        return cfg
+    target = ctx.target_loader.cfg
+    device = torch.device("cuda") if target.device_map is not None else resolve_device(target)
+    return cfg.model_copy(update={"bf16": resolve_bf16("auto", device)})
 
 
-def autocast(device: torch.device, enabled: bool) -> torch.autocast:
-    """bf16 autocast when `enabled` and the device runs bf16 natively, else fp32."""
-    return torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=enabled and native_bf16(device.type)
-    )
+def autocast(device: torch.device, bf16: Bf16Setting) -> torch.autocast:
+    """bf16 autocast where the `bf16` setting resolves to it on `device`, else fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=resolve_bf16(bf16, device))
 
 
 @dataclass

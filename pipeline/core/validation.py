@@ -17,6 +17,7 @@ from models.features import Features
 from models.losses import teacher_draft_probs
 from pipeline.core import training
 from pipeline.core.featurize import FeatureSource
+from pipeline.core.precision import Bf16Setting
 from pipeline.core.trainer import TrainConfig, autocast
 from storage import Dataset
 
@@ -44,7 +45,7 @@ def validate(
     tau_k: int,
     temperature: float,
     step_decay: float,
-    bf16: bool,
+    bf16: Bf16Setting,
     objective: str | None = None,
 ) -> dict[str, Any]:
     """Held-out loss of `objective`, and over a `ttt_steps` unroll the per-step T=0 accuracy,
@@ -101,7 +102,7 @@ def heldout_loader(
 
 
 def validate_heldout(
-    drafter: Drafter, loader: training.FeatureLoader, target: Any, *, k: int, bf16: bool
+    drafter: Drafter, loader: training.FeatureLoader, target: Any, *, k: int, bf16: Bf16Setting
 ) -> dict[str, Any]:
     """The `heldout_*` columns of a val row: teacher-forced acceptance over k steps (the loss's
     settings differ between stages, so only the acceptance, which depends on none, is kept)."""

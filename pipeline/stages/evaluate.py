@@ -7,7 +7,10 @@ accept probability, outcome, the target's token) and, in the manifest's meta, th
 numbers: τ (mean of accepted + 1 per verify step, the EAGLE/vLLM convention), α per offset
 (acceptance given the offset was reached), target forwards per emitted token, and tokens/s of
 speculative decoding against plain target decoding timed in the same run on the same prompts.
-At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`).
+At T=0 it also checks that both decoders emitted identical tokens (`lossless_t0`), counts the
+outputs that did (`t0_identical`) and records where each other one first differs, with the
+target's top-2 logit gap there (`t0_mismatches`, earliest: `t0_first_divergence`): in bf16,
+near-ties can flip between the batched verify forward and plain decoding (docs/drafters.md).
 
 The training-free baseline: every evaluation also decodes the same prompts, in the same loop
 and settings, with the registry's baseline kind (`KindSpec.baseline`: prompt lookup, which any
@@ -339,10 +342,33 @@ def summarize(out: Decoded, cfg: Config, prompts: int) -> dict[str, Any]:
         stats["speedup"] = stats["tokens_per_s"] / stats["baseline_tokens_per_s"]
         if cfg.temperature == 0:
             stats["lossless_t0"] = not out.mismatches
-            # Batched and single-row float math can order two near-equal logits differently; the
-            # target's top-2 gap at each first divergence tells such a tie from a real bug.
+            # Batched and single-row float math can order two near-equal logits differently (in
+            # bf16 often, docs/drafters.md); the target's top-2 gap at each first divergence
+            # tells such a tie from a real bug.
             stats["t0_mismatches"] = out.mismatches
+            stats["t0_identical"] = prompts - len(out.mismatches)
+            stats["t0_first_divergence"] = min(
+                (m["position"] for m in out.mismatches), default=None
+            )
     return stats
+
+
+SHOWN_MISMATCHES = 5  # the rest are in the manifest's t0_mismatches
+
+
+def identity_line(stats: dict[str, Any]) -> str:
+    """How many T=0 outputs equal plain greedy decoding, and where the others first differ."""
+    line = f"T=0: {stats['t0_identical']} of {stats['prompts']} outputs identical to plain greedy"
+    shown = stats["t0_mismatches"][:SHOWN_MISMATCHES]
+    if shown:
+        where = ", ".join(
+            f"prompt {m['prompt']} at token {m['position']} (top-2 logit gap "
+            f"{m['top2_logit_gap']:.3g})"
+            for m in shown
+        )
+        more = len(stats["t0_mismatches"]) - len(shown)
+        line += f"; first divergences: {where}" + (f" and {more} more" if more else "")
+    return line
 
 
 def baseline_line(free: dict[str, Any]) -> str:
@@ -693,6 +719,8 @@ def run(
     )
     if (free := stats.get("free_baseline")) is not None:
         log.info("[evaluate] beside it, %s", baseline_line(free))
+    if "t0_identical" in stats:
+        log.info("[evaluate] %s", identity_line(stats))
     return stats | {"drafter": str(inputs["drafter"].ref)}
 
 

@@ -105,7 +105,14 @@ from pipeline.core.featurize import FeatureSource
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from pipeline.core.trainer import METRICS_SCHEMA as TRAIN_METRICS_SCHEMA
-from pipeline.core.trainer import StepOutput, TrainConfig, Trainer, TrainResult, autocast
+from pipeline.core.trainer import (
+    StepOutput,
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    autocast,
+    resolve_precision,
+)
 from storage import Dataset, DatasetWriter, OpdError, read_tensor_column
 
 FEATURE_COLUMNS = validation.FEATURE_COLUMNS
@@ -920,6 +927,7 @@ STAGE = Stage(
     version="1",
     config=Config,
     run=run,
+    resolve=resolve_precision,
     doc="Draft-OPD: train the drafter on its own replayed proposals, scored by the target",
     inputs={"replays": ("replays",), "rollouts": ("rollouts",), "drafter": DRAFTER_DATASETS},
     optional_inputs={

@@ -76,6 +76,7 @@ from pipeline.core.trainer import (
     Trainer,
     TrainResult,
     autocast,
+    resolve_precision,
 )
 from pipeline.core.validation import (
     features_of,
@@ -485,6 +486,7 @@ STAGE = Stage(
     version="1",
     config=Config,
     run=run,
+    resolve=resolve_precision,
     doc="drafter warm-up on cached features (EAGLE-3 training-time test, EAGLE-1's objective, or DFlash blocks)",
     inputs={"features": ("features", "rollouts")},
     # Continued SFT: start from a trained drafter; train on more feature sets (same map) too.

@@ -7,6 +7,7 @@ from click.testing import CliRunner
 
 from cli.main import cli
 from pipeline.core.config import StrictConfig
+from pipeline.core.precision import native_bf16
 from pipeline.core.runner import RunContext, planned_ref, run_stage
 from pipeline.core.stage import Stage
 from pipeline.core.targets import (
@@ -24,11 +25,12 @@ from tests.pipeline.conftest import write_prompts
 NO_CUDA = not torch.cuda.is_available()
 
 
-def test_auto_is_cpu_and_fp32_without_a_gpu_and_bf16_when_a_device_map_is_asked():
+def test_auto_is_the_cpu_and_its_native_dtype_without_a_gpu_and_bf16_with_a_device_map():
     if not NO_CUDA:
         pytest.skip("resolution without a GPU")
     cfg = TargetConfig()
-    assert resolve_device(cfg) == torch.device("cpu") and resolve_dtype(cfg) == "float32"
+    native = "bfloat16" if native_bf16("cpu") else "float32"  # bf16 on AMX (docs/scale.md)
+    assert resolve_device(cfg) == torch.device("cpu") and resolve_dtype(cfg) == native
     assert resolve_dtype(TargetConfig(dtype="bfloat16")) == "bfloat16"
     assert resolve_dtype(TargetConfig(device_map="auto")) == "bfloat16"
 
@@ -40,7 +42,7 @@ def test_device_is_no_part_of_the_version_and_auto_dtype_keeps_fp32_versions(tin
     ctx = RunContext(store=store, target_loader=TargetLoader(fp32), progress=False)
     ref = planned_ref(generate.STAGE, cfg.generate, inputs, ctx)
     same = [fp32.model_copy(update={"device": "cpu"})]
-    if NO_CUDA:  # `auto` resolves to fp32 only where it resolves to the CPU
+    if NO_CUDA and not native_bf16("cpu"):  # `auto` is fp32 only on a CPU without native bf16
         same += [cfg.target, cfg.target.model_copy(update={"device": "cpu"})]
     for target in same:
         other = RunContext(store=store, target_loader=TargetLoader(target), progress=False)

@@ -344,7 +344,7 @@ def test_a_conflicting_explicit_target_is_an_error_naming_both(trained, tmp_path
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"), "--profile", "default")
     one_line_error(r, "made with a different target than this command names")
     assert f"target.path: '{target_dir.resolve()}' ({ref}) vs 'embedded' (this command)" in r.output
-    made = resolve_dtype(TargetConfig())  # `auto`: fp32 on a CPU, bf16 on a GPU
+    made = resolve_dtype(TargetConfig())  # `auto`: bf16 where the device runs it natively
     other = "float32" if made == "bfloat16" else "bfloat16"
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"),
             "--set", f"target.dtype={other}")  # fmt: skip
