@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("cli", "pipeline", "models", "storage", "benchmarks")
+PRODUCT = ("cli", "flows", "pipeline", "models", "storage")
+PACKAGES = ("cli", "pipeline", "models", "storage", "lab")
 
 
 def _imports(source: str) -> set[str]:
@@ -65,7 +66,7 @@ def test_a_stage_imports_only_the_shared_machinery_below_it():
 
 
 def test_core_imports_nothing_above_it():
-    above = ("pipeline.stages", "pipeline.experiments", "pipeline.chains", "pipeline.profiles")
+    above = ("pipeline.stages", "pipeline.chains", "pipeline.profiles")
     above += ("pipeline.distributed",)
     for p in _files("pipeline/core"):
         bad = _under(_modules(p.read_text()), *above)
@@ -78,7 +79,7 @@ def test_drafter_kinds_are_reached_only_through_the_interface():
     from models.drafters import KINDS
 
     kinds = tuple(f"models.{kind}" for kind in KINDS)
-    for p in _files("pipeline", "cli", "flows", "benchmarks", "storage"):
+    for p in _files("pipeline", "cli", "flows", "lab", "storage"):
         bad = _under(_modules(p.read_text()), *kinds)
         assert not bad, f"{p.relative_to(REPO)} imports a drafter kind's module {sorted(bad)}"
     for p in _files("models"):
@@ -134,6 +135,23 @@ def test_only_flows_import_prefect():
         str(p.relative_to(REPO)) for p in _files(*PACKAGES) if "prefect" in _imports(p.read_text())
     ]
     assert not offenders, f"Prefect imported outside flows/: {offenders}"
+
+
+def test_nothing_in_the_product_imports_the_lab():
+    # The lab (experiments, benchmarks, recipes, findings) builds on the product; the product
+    # installs and runs without it. Lazy imports count: they still run.
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts) for p in _files("lab")}
+    modules |= {"lab"} | {m.removesuffix(".__init__") for m in modules}
+    for p in _files(*PRODUCT):
+        bad = _under(_project_imports(p.read_text(), modules), "lab")
+        assert not bad, f"{p.relative_to(REPO)} imports the lab: {sorted(bad)}"
+
+
+def test_the_lab_check_sees_a_lazy_import():
+    modules = {"lab", "lab.cli", "lab.experiments", "lab.experiments.ablate"}
+    lazy = "def f():\n    from lab.experiments import ablate\n"
+    assert _project_imports(lazy, modules) == {"lab.experiments.ablate"}
+    assert _project_imports("import lab.cli\n", modules) == {"lab.cli"}
 
 
 def test_imports_point_one_way():
@@ -270,7 +288,7 @@ def test_the_cli_and_the_configs_start_without_transformers():
     # them ~3 s of a ~5 s start on 2 cores, paid again by every launch. Only code that loads a
     # target or tokenizer imports it, inside the function that does.
     code = (
-        "import sys, cli.main, pipeline.profiles, pipeline.distributed, pipeline.chains\n"
+        "import sys, cli.main, lab.cli, pipeline.profiles, pipeline.distributed, pipeline.chains\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'vllm'}))"
     )
     done = subprocess.run(

@@ -46,7 +46,7 @@ next round's rollout of this drafter is online too (`featurize.trained_online`).
 
 Budget: every step logs `row_steps`, the drafter rows it ran forward and backward times the
 unrolled steps; `budget_row_steps` sets the number of optimizer steps so their sum reaches it
-(matched-compute comparisons, see pipeline/experiments/).
+(matched-compute comparisons, see lab/experiments/).
 
 An empty `replays` dataset (a drafter that was never rejected) is a no-op: the output is the
 input drafter unchanged, with `"trained": false` in its summary, so a chain goes on.
@@ -147,7 +147,7 @@ class Config(TrainConfig):
     (up to and including the first rejection, acceptance drawn from accept_prob)."""
     ce_lambda: float = Field(1.0, ge=0)
     """Weight of the EAGLE-3 soft-CE anchor; 0 = none. On by default: on the embedded target it
-    was never worse and the replay loss alone moved held-out tau less (see pipeline/experiments/)."""
+    was never worse and the replay loss alone moved held-out tau less (see lab/experiments/)."""
     ce_source: Literal["rollouts", "features"] = "rollouts"
     """Where the anchor's rows come from: the rollout sequences' own teacher-forced rows (free:
     they are in the replay unroll already) or batches of the `features` input (an extra unroll)."""

@@ -5,7 +5,7 @@ import pyarrow as pa
 import torch
 from click.testing import CliRunner
 
-from cli.main import cli
+from lab.cli import cli
 from storage import Store
 
 
