@@ -8,75 +8,48 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 from typing import Any
 
 import click
 
 from cli.common import check_prompts_dataset, command_config, command_target, setup_logging
 from cli.main import cli
-from models.drafters import DEFAULT_KIND, KINDS
+from lab.publish import publish
+from lab.recipes import RECIPE_DIR, Recipe, load_recipe, recipe_names
 from storage import Store
 
 
 @click.group("experiment")
 def experiment_group() -> None:
-    """Experiments that compare training methods end to end."""
+    """Experiments that compare training methods end to end, each from a named recipe
+    (`opd experiment recipes` lists them)."""
 
 
-_PROFILE = click.option(
-    "--profile", default="default", show_default=True, help="Config profile (tiny, default)."
+_RECIPE = click.option(
+    "--recipe",
+    "recipe_name",
+    required=True,
+    metavar="NAME",
+    help="The recipe: its profile, overrides and prompts (`opd experiment recipes`), or a "
+    "recipe file's path ending in .toml.",
 )
-_SETS = click.option(
-    "--set",
-    "sets",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override one config value (repeatable).",
+_PROMPTS = click.option(
+    "--prompts",
+    "prompts_ref",
+    default=None,
+    help="Train on this prompts dataset instead of running the recipe's prompts stage.",
+)
+_DRY_RUN = click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check the recipe and its configs, print what would run; run nothing.",
 )
 _BUDGET = click.option(
     "--budget",
     type=click.IntRange(min=1),
     default=None,
     help="Drafter row-steps per arm or variant [default: --budget-ratio x the warm-up's].",
-)
-_PROMPTS = click.option(
-    "--prompts",
-    "prompts_ref",
-    default=None,
-    help="Use this prompts dataset instead of running the prompts stage.",
-)
-_ROLLOUT_PROMPTS = click.option(
-    "--rollout-prompts",
-    "rollout_prompts_ref",
-    default=None,
-    help="Draft-OPD's rollouts (and continued SFT's fresh sequences) draw on this prompts "
-    "dataset's train split, prompts the warm-up never trained on (e.g. made by the prompts "
-    "stage with another prompts.seed) [default: the warm-up prompts'].",
-)
-_DRAFTER_KIND = click.option(
-    "--drafter-kind",
-    type=click.Choice(list(KINDS)),
-    default=DEFAULT_KIND,
-    show_default=True,
-    help="The student every arm or variant trains (drafter.kind): "
-    + ", ".join(f"{s.name} ({s.title})" for s in KINDS.values())
-    + ".",
-)
-_EVAL_PROMPTS = click.option(
-    "--eval-prompts",
-    "eval_prompts_ref",
-    default=None,
-    help="Evaluate tau on this prompts dataset's held-out split, per set (e.g. one made with "
-    "--set prompts.heldout_sets=[mt_bench,gsm8k,humaneval]) [default: the warm-up prompts']. "
-    "The teacher-forced held-out curve stays on the warm-up prompts' own split, so adding it "
-    "later retrains nothing.",
-)
-_EVAL_MAX_PROMPTS = click.option(
-    "--eval-max-prompts",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Prompts per held-out set that every evaluation decodes [default: evaluate.max_prompts, "
-    "which also sizes the held-out validation sequences: changing that one retrains the arms].",
 )
 _FIRST_SEED = click.option(
     "--first-seed",
@@ -86,6 +59,26 @@ _FIRST_SEED = click.option(
     "so processes running disjoint seeds share it.",
 )
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+
+
+def _seeds(default: int, what: str):
+    return click.option(
+        "--seeds",
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=True,
+        help=f"{what} (mean and spread over them).",
+    )
+
+
+def _budget_ratio(default: float, why: str = ""):
+    return click.option(
+        "--budget-ratio",
+        type=float,  # bounded by check_arm_options, a one-line error like every refusal
+        default=default,
+        show_default=True,
+        help=f"Budget per arm or variant as a share of the SFT warm-up's row-steps{why}.",
+    )
 
 
 def _options(*options):
@@ -99,29 +92,16 @@ def _options(*options):
     return apply
 
 
-_experiment_options = _options(_PROFILE, _SETS, _BUDGET, _PROMPTS, _JSON)
-"""The options of the experiments that train arms or variants at a drafter budget."""
-_sft_experiment_options = _options(_PROFILE, _SETS, _PROMPTS, _JSON)
-"""The options of the experiments that compare SFT runs (no budget: they train SFT's own)."""
-
-
-def _experiment_context(
-    store: Store,
-    profile: str,
-    sets: tuple[str, ...],
-    as_json: bool,
-    name: str,
-    datasets: tuple[Any, ...] = (),
-) -> tuple[Any, Any]:
+def _experiment_context(store: Store, recipe: Recipe, as_json: bool, name: str) -> tuple[Any, Any]:
     """(config, RunContext) of an experiment command. It logs its progress to stderr also with
-    --json (stdout then holds only the JSON): an experiment runs for minutes to hours.
-    `datasets`: existing datasets it reads (None: an option not given), which must have been made
-    with its target."""
+    --json (stdout then holds only the JSON): an experiment runs for minutes to hours."""
     from pipeline.core.drafters import check_drafter_settings
     from pipeline.core.runner import RunContext
 
-    given = tuple(d for d in datasets if d is not None)
-    cfg, loader = command_target(command_config(profile, sets), profile, sets, given)
+    recipe.check_prompts()
+    cfg, loader = command_target(
+        command_config(recipe.profile, tuple(recipe.set)), recipe.profile, tuple(recipe.set)
+    )
     # Every experiment trains a warm-up drafter: its settings must not fail after the stages
     # before it ran.
     check_drafter_settings(cfg.drafter, loader.target)
@@ -130,12 +110,23 @@ def _experiment_context(
     return cfg, ctx
 
 
-def _prompts_option(store: Store, ref: str | None, option: str) -> Any:
-    """The prompts dataset an option names (None when not given); refuses another kind."""
+def _recipe_prompts(ctx: Any, recipe: Recipe, more: list[str] | None) -> Any:
+    """The prompts dataset the recipe's prompts-stage overrides `more` make (None when it has
+    none): run like any stage, so a second experiment finds it cached."""
+    if more is None:
+        return None
+    from pipeline import chains
+
+    cfg = recipe.config(*more)
+    return chains.run_chain(chains.sft_chain(cfg)[:1], ctx)["prompts"].dataset
+
+
+def _prompts(store: Store, ref: str | None) -> Any:
+    """The prompts dataset --prompts names (None when not given); refuses another kind."""
     if not ref:
         return None
     prompts = store.open(ref)
-    check_prompts_dataset(prompts, option)
+    check_prompts_dataset(prompts, "--prompts")
     return prompts
 
 
@@ -144,67 +135,57 @@ def _command_line(store: Store, args: list[str]) -> str:
     return shlex.join(["opd", "--root", str(store.root), "experiment", *args])
 
 
-def _with_drafter_kind(sets: tuple[str, ...], kind: str) -> tuple[str, ...]:
-    """`sets` with drafter.kind=KIND (EAGLE-3, the default, adds nothing, so its versions and
-    quoted command stay what they were); refuses a --set that names another kind."""
-    given = [s.split("=", 1)[1] for s in sets if s.split("=", 1)[0].strip() == "drafter.kind"]
-    if any(g != kind for g in given):
-        raise click.UsageError(
-            f"--drafter-kind {kind} but --set drafter.kind={given[0]}: name the kind once"
-        )
-    return sets if kind == DEFAULT_KIND or given else (*sets, f"drafter.kind={kind}")
+def _dry_run(recipe: Recipe, command: str) -> None:
+    """What an experiment would run: the recipe's settings (checked) and the command."""
+    recipe.check_prompts()
+    lines = [f"recipe {recipe.name}: {recipe.description}", f"profile {recipe.profile}"]
+    lines += [f"--set {s}" for s in recipe.set]
+    for what, more in (
+        ("rollout prompts", recipe.rollout_prompts),
+        ("eval prompts", recipe.eval_prompts),
+    ):
+        if more is not None:
+            lines.append(f"{what}: the prompts stage with " + " ".join(more))
+    lines.append(f"would run: {command}")
+    click.echo("\n".join(lines))
+
+
+def _arm_args(
+    name: str, recipe: str, seeds: int, first_seed: int | None, budget: int | None, ratio: float
+) -> list[str]:
+    args = [name, "--recipe", recipe, "--seeds", str(seeds)]
+    args += ["--first-seed", str(first_seed)] if first_seed is not None else []
+    return args + (["--budget", str(budget)] if budget else ["--budget-ratio", f"{ratio:g}"])
+
+
+@experiment_group.command("recipes")
+@click.argument("name", required=False)
+def recipes_cmd(name: str | None) -> None:
+    """List the recipes, or print one: its settings, the command that reproduces its finding
+    and the `opd run full` command that trains its chain."""
+    if name is None:
+        for n in recipe_names():
+            click.echo(f"{n:24} {load_recipe(n).description}")
+        return
+    recipe = load_recipe(name)
+    path = RECIPE_DIR / f"{recipe.name}.toml"
+    click.echo(path.read_text() if path.is_file() else Path(name).read_text())
+    click.echo(f"# the chain alone: {recipe.chain_command()}")
 
 
 @experiment_group.command("opd-vs-sft")
-@_experiment_options
-@_ROLLOUT_PROMPTS
-@click.option(
-    "--seeds",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Seeds per arm (mean and spread over them).",
-)
-@_FIRST_SEED
-@click.option(
-    "--budget-ratio",
-    type=float,  # bounded by check_arm_options, a one-line error like every refusal
-    default=1.0,
-    show_default=True,
-    help="Budget per arm as a share of the SFT warm-up's row-steps.",
-)
-@_DRAFTER_KIND
-@click.option(
-    "--sft-data-temperature",
-    type=float,
-    default=None,
-    help="Sample the fresh target sequences continued SFT trains on at this temperature "
-    "[default: the OPD rollouts' temperature].",
-)
-@click.option(
-    "--speed",
-    is_flag=True,
-    help="Also time the first seed's warm-up, continued-SFT and Draft-OPD drafters against "
-    "plain decoding on the held-out prompts, side by side, into the report.",
-)
-@_EVAL_PROMPTS
-@_EVAL_MAX_PROMPTS
+@_options(_RECIPE, _seeds(3, "Seeds per arm"), _FIRST_SEED, _BUDGET, _budget_ratio(1.0))
+@_options(_PROMPTS, _DRY_RUN, _JSON)
 @click.pass_obj
 def opd_vs_sft_cmd(
     store: Store,
-    profile: str,
-    sets: tuple[str, ...],
+    recipe_name: str,
     seeds: int,
     first_seed: int | None,
     budget: int | None,
     budget_ratio: float,
-    drafter_kind: str,
-    sft_data_temperature: float | None,
-    speed: bool,
-    eval_prompts_ref: str | None,
-    eval_max_prompts: int | None,
     prompts_ref: str | None,
-    rollout_prompts_ref: str | None,
+    dry_run: bool,
     as_json: bool,
 ) -> None:
     """From one SFT warm-up, spend the same drafter budget on continued SFT and on Draft-OPD
@@ -215,28 +196,12 @@ def opd_vs_sft_cmd(
     """
     from lab.experiments import opd_vs_sft
 
-    sets = _with_drafter_kind(sets, drafter_kind)
-    eval_prompts = _prompts_option(store, eval_prompts_ref, "--eval-prompts")
-    rollout_prompts = _prompts_option(store, rollout_prompts_ref, "--rollout-prompts")
-    cfg, ctx = _experiment_context(
-        store,
-        profile,
-        sets,
-        as_json,
-        "experiment-opd-vs-sft",
-        (eval_prompts, rollout_prompts),
-    )
-    args = ["opd-vs-sft", "--profile", profile, *(f"--set={s}" for s in sets)]
-    args += ["--seeds", str(seeds)]
-    args += ["--first-seed", str(first_seed)] if first_seed is not None else []
-    args += ["--budget", str(budget)] if budget else ["--budget-ratio", f"{budget_ratio:g}"]
-    if sft_data_temperature is not None:
-        args += ["--sft-data-temperature", f"{sft_data_temperature:g}"]
+    recipe = load_recipe(recipe_name)
+    args = _arm_args("opd-vs-sft", recipe_name, seeds, first_seed, budget, budget_ratio)
     args += ["--prompts", prompts_ref] if prompts_ref else []
-    args += ["--eval-prompts", eval_prompts_ref] if eval_prompts_ref else []
-    args += ["--rollout-prompts", rollout_prompts_ref] if rollout_prompts_ref else []
-    args += ["--eval-max-prompts", str(eval_max_prompts)] if eval_max_prompts else []
-    args += ["--speed"] if speed else []
+    if dry_run:
+        return _dry_run(recipe, _command_line(store, args))
+    cfg, ctx = _experiment_context(store, recipe, as_json, "experiment-opd-vs-sft")
     result = opd_vs_sft.opd_vs_sft(
         cfg,
         ctx,
@@ -244,20 +209,19 @@ def opd_vs_sft_cmd(
         first_seed=first_seed,
         budget=budget,
         budget_ratio=budget_ratio,
-        sft_data_temperature=sft_data_temperature,
-        prompts=store.open(prompts_ref) if prompts_ref else None,
-        eval_prompts=eval_prompts,
-        eval_max_prompts=eval_max_prompts,
-        rollout_prompts=rollout_prompts,
+        sft_data_temperature=recipe.sft_data_temperature,
+        prompts=_prompts(store, prompts_ref),
+        eval_prompts=_recipe_prompts(ctx, recipe, recipe.eval_prompts),
+        eval_max_prompts=recipe.eval_max_prompts,
+        rollout_prompts=_recipe_prompts(ctx, recipe, recipe.rollout_prompts),
         command=_command_line(store, args),
-        speed=speed,
+        speed=recipe.speed,
     )
     click.echo(json.dumps(result, indent=2) if as_json else opd_vs_sft.summary_text(result))
 
 
 @experiment_group.command("ablate")
-@_experiment_options
-@_ROLLOUT_PROMPTS
+@_options(_RECIPE)
 @click.option(
     "--factors",
     default="loss",
@@ -271,44 +235,23 @@ def opd_vs_sft_cmd(
     "--levels",
     default=None,
     help='Comma-separated level labels to run, as the report names them (e.g. "accepted '
-    '0x,accepted 0.1x"); default: every level of --factors. For a machine that has time for '
-    "some levels: the report covers the levels run.",
+    '0x,accepted 0.1x"); default: every level of --factors.',
 )
-@click.option(
-    "--seeds",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Seeds per variant (mean and spread over them).",
-)
-@_FIRST_SEED
-@click.option(
-    "--budget-ratio",
-    type=float,  # bounded by check_arm_options, a one-line error like every refusal
-    default=0.25,
-    show_default=True,
-    help="Budget per variant as a share of the SFT warm-up's row-steps (small, so the default "
-    "grid, 4 loss families x 2 seeds, takes an estimated 40 min on the default profile).",
-)
-@_DRAFTER_KIND
-@_EVAL_PROMPTS
-@_EVAL_MAX_PROMPTS
+@_options(_seeds(2, "Seeds per variant"), _FIRST_SEED, _BUDGET)
+@_budget_ratio(0.25, " (small: the default grid, 4 loss families x 2 seeds, then fits in an hour)")
+@_options(_PROMPTS, _DRY_RUN, _JSON)
 @click.pass_obj
 def ablate_cmd(
     store: Store,
-    profile: str,
-    sets: tuple[str, ...],
+    recipe_name: str,
     factors: str,
     levels: str | None,
     seeds: int,
     first_seed: int | None,
     budget: int | None,
     budget_ratio: float,
-    drafter_kind: str,
-    eval_prompts_ref: str | None,
-    eval_max_prompts: int | None,
     prompts_ref: str | None,
-    rollout_prompts_ref: str | None,
+    dry_run: bool,
     as_json: bool,
 ) -> None:
     """Draft-OPD variants, one factor at a time, from opd-vs-sft's SFT warm-up at one drafter
@@ -319,26 +262,14 @@ def ablate_cmd(
 
     names = [f.strip() for f in factors.split(",") if f.strip()]
     labels = None if levels is None else [x.strip() for x in levels.split(",") if x.strip()]
-    sets = _with_drafter_kind(sets, drafter_kind)
-    eval_prompts = _prompts_option(store, eval_prompts_ref, "--eval-prompts")
-    rollout_prompts = _prompts_option(store, rollout_prompts_ref, "--rollout-prompts")
-    cfg, ctx = _experiment_context(
-        store,
-        profile,
-        sets,
-        as_json,
-        "experiment-ablate",
-        (eval_prompts, rollout_prompts),
-    )
-    args = ["ablate", "--profile", profile, *(f"--set={s}" for s in sets)]
-    args += ["--factors", ",".join(names), "--seeds", str(seeds)]
+    recipe = load_recipe(recipe_name)
+    args = _arm_args("ablate", recipe_name, seeds, first_seed, budget, budget_ratio)
+    args += ["--factors", ",".join(names)]
     args += ["--levels", ",".join(labels)] if labels is not None else []
-    args += ["--first-seed", str(first_seed)] if first_seed is not None else []
-    args += ["--budget", str(budget)] if budget else ["--budget-ratio", f"{budget_ratio:g}"]
     args += ["--prompts", prompts_ref] if prompts_ref else []
-    args += ["--eval-prompts", eval_prompts_ref] if eval_prompts_ref else []
-    args += ["--rollout-prompts", rollout_prompts_ref] if rollout_prompts_ref else []
-    args += ["--eval-max-prompts", str(eval_max_prompts)] if eval_max_prompts else []
+    if dry_run:
+        return _dry_run(recipe, _command_line(store, args))
+    cfg, ctx = _experiment_context(store, recipe, as_json, "experiment-ablate")
     result = ablation.ablate(
         cfg,
         ctx,
@@ -348,10 +279,10 @@ def ablate_cmd(
         first_seed=first_seed,
         budget=budget,
         budget_ratio=budget_ratio,
-        prompts=store.open(prompts_ref) if prompts_ref else None,
-        eval_prompts=eval_prompts,
-        eval_max_prompts=eval_max_prompts,
-        rollout_prompts=rollout_prompts,
+        prompts=_prompts(store, prompts_ref),
+        eval_prompts=_recipe_prompts(ctx, recipe, recipe.eval_prompts),
+        eval_max_prompts=recipe.eval_max_prompts,
+        rollout_prompts=_recipe_prompts(ctx, recipe, recipe.rollout_prompts),
         command=_command_line(store, args),
     )
     click.echo(json.dumps(result, indent=2) if as_json else ablation.ablate_summary_text(result))
@@ -367,83 +298,76 @@ def _numbers(ctx: click.Context, param: click.Parameter, value: str | None) -> l
 
 
 @experiment_group.command("sft-plateau")
-@_sft_experiment_options
+@_RECIPE
 @click.option(
     "--data-shares",
     default="0.25,0.5,1",
     show_default=True,
     callback=_numbers,
-    help="Shares of the training sequences, each trained for the profile's epochs (or its "
+    help="Shares of the training sequences, each trained for the recipe's epochs (or its "
     "sft.steps when set).",
 )
 @click.option(
     "--epochs",
     default=None,
     callback=_numbers,
-    help="Epochs over all the data, one run each [default: the profile's and twice them].",
+    help="Epochs over all the data, one run each [default: the recipe's and twice them].",
 )
 @click.option(
     "--steps",
     default=None,
     callback=_numbers,
-    help="With --set sft.steps=N, the runs are sized in optimizer steps: steps over all the "
-    "data, one run each [default: N and twice N].",
+    help="For a recipe that sets sft.steps=N, the runs are sized in optimizer steps: steps over "
+    "all the data, one run each [default: N and twice N].",
 )
-@click.option(
-    "--plateau-gain",
-    type=click.FloatRange(min=0),
-    default=0.01,
-    show_default=True,
-    help="An axis is at its plateau when its last step up raised τ by less than this.",
-)
+@_options(_PROMPTS, _DRY_RUN, _JSON)
 @click.pass_obj
 def sft_plateau_cmd(
     store: Store,
-    profile: str,
-    sets: tuple[str, ...],
+    recipe_name: str,
     data_shares: list[float],
     epochs: list[float] | None,
     steps: list[float] | None,
-    plateau_gain: float,
     prompts_ref: str | None,
+    dry_run: bool,
     as_json: bool,
 ) -> None:
-    """Train the profile's SFT drafter on nested shares of the data and for more epochs (or
+    """Train the recipe's SFT drafter on nested shares of the data and for more epochs (or
     steps, when sft.steps is set); report teacher-forced held-out τ (T=0 and T=1) against data
     and tokens seen, and whether each axis has reached its plateau, as a report dataset with a
     plot.
     """
     from lab.experiments import sft_plateau
 
-    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-sft-plateau")
+    recipe = load_recipe(recipe_name)
+    if dry_run:
+        args = ["sft-plateau", "--recipe", recipe_name]
+        args += ["--data-shares", ",".join(f"{x:g}" for x in data_shares)]
+        for option, values in (("--epochs", epochs), ("--steps", steps)):
+            args += [option, ",".join(f"{x:g}" for x in values)] if values else []
+        return _dry_run(recipe, _command_line(store, args))
+    cfg, ctx = _experiment_context(store, recipe, as_json, "experiment-sft-plateau")
     result = sft_plateau.sft_plateau(
         cfg,
         ctx,
         data_shares=data_shares,
         epochs=epochs,
         steps=steps,
-        plateau_gain=plateau_gain,
-        prompts=store.open(prompts_ref) if prompts_ref else None,
+        plateau_gain=recipe.plateau_gain,
+        prompts=_prompts(store, prompts_ref),
     )
     click.echo(json.dumps(result, indent=2) if as_json else sft_plateau.summary_text(result))
 
 
 @experiment_group.command("objectives")
-@_sft_experiment_options
-@click.option(
-    "--seeds",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="SFT runs per objective (mean and spread over them).",
-)
+@_options(_RECIPE, _seeds(2, "SFT runs per objective"), _PROMPTS, _DRY_RUN, _JSON)
 @click.pass_obj
 def objectives_cmd(
     store: Store,
-    profile: str,
-    sets: tuple[str, ...],
+    recipe_name: str,
     seeds: int,
     prompts_ref: str | None,
+    dry_run: bool,
     as_json: bool,
 ) -> None:
     """Train the SFT drafter with EAGLE-3's training-time test and with EAGLE-1's objective
@@ -452,14 +376,48 @@ def objectives_cmd(
     """
     from lab.experiments import objectives
 
-    cfg, ctx = _experiment_context(store, profile, sets, as_json, "experiment-objectives")
-    result = objectives.objectives(
-        cfg, ctx, seeds=seeds, prompts=store.open(prompts_ref) if prompts_ref else None
-    )
+    recipe = load_recipe(recipe_name)
+    if dry_run:
+        args = ["objectives", "--recipe", recipe_name, "--seeds", str(seeds)]
+        return _dry_run(recipe, _command_line(store, args))
+    cfg, ctx = _experiment_context(store, recipe, as_json, "experiment-objectives")
+    result = objectives.objectives(cfg, ctx, seeds=seeds, prompts=_prompts(store, prompts_ref))
     click.echo(json.dumps(result, indent=2) if as_json else objectives.summary_text(result))
 
 
+@click.command("publish")
+@click.argument("source", metavar="REF|FILE.json")
+@click.option("--as", "name", required=True, metavar="NAME", help="lab/published/NAME/ [required].")
+@click.option("--replace", is_flag=True, help="Replace what is published as NAME.")
+@click.option(
+    "--command",
+    default=None,
+    help="For a benchmark's JSON: the command that printed it (a dataset records its own).",
+)
+@click.option(
+    "--hardware",
+    default=None,
+    help="Where the report was measured [default: this machine's GPU or CPU, since a data root "
+    "lives on the machine that made it].",
+)
+@click.pass_obj
+def publish_cmd(
+    store: Store,
+    source: str,
+    name: str,
+    replace: bool,
+    command: str | None,
+    hardware: str | None,
+) -> None:
+    """Copy a report (experiment@VERSION, eval@VERSION, or a benchmark's JSON file) out of the
+    data root into lab/published/NAME/ with its provenance; `python -m lab.findings` then
+    renders docs/findings.md's tables from what is published."""
+    dest = publish(store, source, name, replace=replace, command=command, hardware=hardware)
+    click.echo(f"published {source} as {dest}")
+
+
 cli.add_command(experiment_group)
+cli.add_command(publish_cmd)
 
 
 def main() -> None:

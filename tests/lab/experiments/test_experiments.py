@@ -18,6 +18,7 @@ from pipeline.core.config import version_dict
 from pipeline.profiles import load_config
 from pipeline.stages import rollout
 from storage import OpdError
+from tests.lab.conftest import write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +180,9 @@ def test_opd_vs_sft_writes_a_report_dataset(opd_vs_sft):
 
 def test_opd_vs_sft_cli_prints_the_cached_result(opd_vs_sft):
     store, _, prompts, result = opd_vs_sft
-    args = ["--root", str(store.root), "experiment", "opd-vs-sft", "--profile", "tiny"]
-    args += ["--set", "rounds=1", "--seeds", "2", "--budget", str(result["budget_row_steps"])]
+    recipe = write_recipe(store.root.parent, "rounds=1")
+    args = ["--root", str(store.root), "experiment", "opd-vs-sft", "--recipe", recipe]
+    args += ["--seeds", "2", "--budget", str(result["budget_row_steps"])]
     r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts.ref), "--json"])
     assert r.exit_code == 0, r.output
     printed = json.loads(r.stdout)
@@ -226,14 +228,17 @@ def _benchmark_prompts(store, prompts, split_of_sets: str):
 
 
 def test_opd_vs_sft_evaluates_other_prompts_per_set_and_retrains_nothing(opd_vs_sft):
-    store, _, prompts, result = opd_vs_sft
+    store, ctx, prompts, result = opd_vs_sft
     bench = _benchmark_prompts(store, prompts, "heldout")
-    args = ["--root", str(store.root), "experiment", "opd-vs-sft", "--profile", "tiny"]
-    args += ["--set", "rounds=1", "--seeds", "2", "--eval-max-prompts", "2"]
-    args += ["--budget", str(result["budget_row_steps"]), "--prompts", str(prompts.ref)]
-    r = CliRunner().invoke(cli, [*args, "--eval-prompts", str(bench.ref), "--json"])
-    assert r.exit_code == 0, r.output
-    other = json.loads(r.stdout)
+    other = opd_vs_sft_experiment.opd_vs_sft(
+        load_config("tiny", sets=["rounds=1"]),
+        ctx,
+        seeds=2,
+        budget=result["budget_row_steps"],
+        prompts=prompts,
+        eval_prompts=bench,
+        eval_max_prompts=2,
+    )
     assert other["eval_prompts"] == str(bench.ref) and result["eval_prompts"] == str(prompts.ref)
     assert other["heldout_prompts"] == 2  # of each set, while the arms validate on tiny's 4
     # the same drafters, trained and validated as before: only the evaluations are new
@@ -277,12 +282,13 @@ def test_opd_vs_sft_refuses_eval_prompts_it_trains_on(opd_vs_sft):
         opd_vs_sft_experiment.opd_vs_sft(
             cfg, ctx, seeds=1, budget=1, prompts=prompts, eval_prompts=trained_on
         )
+    recipe = write_recipe(store.root.parent, "rounds=1")
     r = CliRunner().invoke(
         cli,
-        ["--root", str(store.root), "experiment", "opd-vs-sft", "--profile", "tiny"]
-        + ["--eval-prompts", result["warmup"]["drafter"]],
+        ["--root", str(store.root), "experiment", "opd-vs-sft", "--recipe", recipe]
+        + ["--prompts", result["warmup"]["drafter"]],
     )
-    assert r.exit_code != 0 and "--eval-prompts" in r.output and "not a prompts" in r.output
+    assert r.exit_code != 0 and "--prompts" in r.output and "not a prompts" in r.output
 
 
 def _prompts_of(store, rows: list[dict], tag: str):
@@ -343,12 +349,6 @@ def test_opd_vs_sft_drafts_on_fresh_prompts_and_refuses_trained_or_evaluated_one
             opd_vs_sft_experiment.opd_vs_sft(
                 cfg, ctx, seeds=1, budget=budget, prompts=prompts, rollout_prompts=bad
             )
-    r = CliRunner().invoke(
-        cli,
-        ["--root", str(store.root), "experiment", "opd-vs-sft", "--profile", "tiny"]
-        + ["--rollout-prompts", result["warmup"]["drafter"]],
-    )
-    assert r.exit_code != 0 and "--rollout-prompts" in r.output and "not a prompts" in r.output
 
 
 def test_heldout_input_and_validations_leave_default_versions_unchanged():
@@ -509,8 +509,9 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     )
 
     # the CLI: the same (cached) result as JSON
-    args = ["--root", str(store.root), "experiment", "ablate", "--profile", "tiny"]
-    args += ["--set", "rounds=1", "--factors", "replays,gamma", "--seeds", "1"]
+    recipe = write_recipe(store.root.parent, "rounds=1")
+    args = ["--root", str(store.root), "experiment", "ablate", "--recipe", recipe]
+    args += ["--factors", "replays,gamma", "--seeds", "1"]
     args += ["--budget", str(result["budget_row_steps"]), "--prompts", str(prompts.ref), "--json"]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
@@ -542,21 +543,22 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
 
 
 def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
-    """`--drafter-kind dflash`: every arm trains a DFlash drafter, the JSON keeps its keys."""
+    """A DFlash recipe: every arm trains a DFlash drafter, the JSON keeps its keys."""
     from models.drafters import recorded_kind
     from storage import Store
     from tests.pipeline.conftest import write_prompts
 
-    store = Store(tmp_path)
+    store = Store(tmp_path / "data")
     prompts = write_prompts(store)
-    args = ["--root", str(tmp_path), "experiment", "opd-vs-sft", "--profile", "tiny"]
-    args += ["--set", "rounds=1", "--seeds", "1", "--budget-ratio", "0.5"]
-    args += ["--drafter-kind", "dflash", "--prompts", str(prompts.ref), "--json"]
-    r = CliRunner().invoke(cli, args)
+    dflash = ("rounds=1", "drafter.kind=dflash")
+    args = ["--root", str(tmp_path / "data"), "experiment", "opd-vs-sft", "--seeds", "1"]
+    args += ["--budget-ratio", "0.5", "--prompts", str(prompts.ref), "--json"]
+    r = CliRunner().invoke(cli, [*args, "--recipe", write_recipe(tmp_path, *dflash)])
     assert r.exit_code == 0, r.output
     plain = json.loads(r.stdout)
     assert "speed" not in plain
-    r = CliRunner().invoke(cli, [*args, "--speed"])  # the arms are cached, the timing is not
+    speed_recipe = write_recipe(tmp_path, *dflash, speed=True)
+    r = CliRunner().invoke(cli, [*args, "--recipe", speed_recipe])  # arms cached, timing not
     assert r.exit_code == 0, r.output
     result = json.loads(r.stdout)
     assert result["drafter_kind"] == "dflash" and result["report"] != plain["report"]
@@ -576,7 +578,7 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
     for arm, t, speedup in table.select("arm", "temperature", "speedup").iter_rows():
         assert speedup == speed["arms"][arm][str(t)]["speedup"]  # this run's measurement
     assert "## Speed-up over plain decoding" in report.file("report.md").read_text()
-    assert "--speed" in report.file("report.md").read_text()
+    assert f"--recipe {speed_recipe}" in report.file("report.md").read_text()
     for key in ("tau_opd", "tau_opd_t1", "tau_sft_continued", "tau_sft_continued_t1"):
         assert result[key] >= 1.0
     refs = [result["warmup"]["drafter"]] + [
@@ -587,70 +589,104 @@ def test_opd_vs_sft_runs_for_the_dflash_student(tmp_path):
     alpha = result["runs"][0]["opd"]["alpha"]["0.0"]
     assert 1 <= len(alpha) <= result["k"] and all(0.0 <= a <= 1.0 for a in alpha)
 
-    clash = CliRunner().invoke(cli, [*args, "--set", "drafter.kind=eagle3"])
-    assert clash.exit_code != 0 and "name the kind once" in clash.output
-
 
 TYPICAL = "drafting.acceptance=typical"
 LOSSY_ROLLOUT = "rollout must keep the target's law, and drafting.acceptance=typical is lossy"
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("options", "recipe", "message"),
     [
-        (["--budget-ratio", "inf"], "--budget-ratio must be a finite number in (0, 1000], got inf"),
-        (["--budget-ratio", "nan"], "--budget-ratio must be a finite number in (0, 1000], got nan"),
-        (["--budget-ratio", "-1"], "--budget-ratio must be a finite number in (0, 1000], got -1"),
-        (["--budget-ratio", "1e308"], "--budget-ratio must be a finite number in (0, 1000]"),
-        (["--sft-data-temperature", "-1"], "--sft-data-temperature must be a finite number >= 0"),
-        (["--sft-data-temperature", "nan"], "--sft-data-temperature must be a finite number >= 0"),
-        (["--sft-data-temperature", "inf"], "--sft-data-temperature must be a finite number >= 0"),
-        (["--first-seed", str(2**64)], "--first-seed and --seeds must keep every seed below"),
-        (["--first-seed", "-1"], "--first-seed and --seeds must keep every seed"),
         (
-            ["--drafter-kind", "dflash", "--set", "drafter.mask_token_id=4096"],
+            ["--budget-ratio", "inf"],
+            {},
+            "--budget-ratio must be a finite number in (0, 1000], got inf",
+        ),
+        (
+            ["--budget-ratio", "nan"],
+            {},
+            "--budget-ratio must be a finite number in (0, 1000], got nan",
+        ),
+        (
+            ["--budget-ratio", "-1"],
+            {},
+            "--budget-ratio must be a finite number in (0, 1000], got -1",
+        ),
+        (["--budget-ratio", "1e308"], {}, "--budget-ratio must be a finite number in (0, 1000]"),
+        ([], {"sft_data_temperature": -1.0}, "sft_data_temperature: Input should be greater than"),
+        (
+            [],
+            {"sft_data_temperature": "nan"},
+            "sft_data_temperature: Input should be a valid number",
+        ),
+        ([], {"speed": "yes"}, "speed: Input should be a valid boolean"),
+        ([], {"seeds": 2}, "seeds: Extra inputs are not permitted"),
+        ([], {"set": ["sft.lr=-1"]}, "sft.lr: Input should be greater than 0"),
+        (["--first-seed", str(2**64)], {}, "--first-seed and --seeds must keep every seed below"),
+        (["--first-seed", "-1"], {}, "--first-seed and --seeds must keep every seed"),
+        (
+            [],
+            {"set": ["drafter.kind=dflash", "drafter.mask_token_id=4096"]},
             "mask_token_id 4096 is outside the target vocab",
         ),
         (
-            ["--drafter-kind", "dflash", "--set", "drafter.layers=0"],
+            [],
+            {"set": ["drafter.kind=dflash", "drafter.layers=0"]},
             "drafter.layers: Input should be greater than or equal to 1",
         ),
         # its rounds' rollout refused it only after the warm-up and the whole SFT arm
-        (["--set", TYPICAL], LOSSY_ROLLOUT),
+        ([], {"set": [TYPICAL]}, LOSSY_ROLLOUT),
+        (["--recipe", "no-such-recipe"], {}, "unknown recipe 'no-such-recipe'; available: "),
     ],
 )
-def test_bad_opd_vs_sft_options_are_one_line_errors_before_any_stage(tmp_path, options, message):
-    _one_line_experiment_error(tmp_path, ["opd-vs-sft", *options], message)
+def test_bad_opd_vs_sft_options_are_one_line_errors_before_any_stage(
+    tmp_path, options, recipe, message
+):
+    _one_line_experiment_error(tmp_path, ["opd-vs-sft", *options], recipe, message)
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("options", "recipe", "message"),
     [
-        (["--budget-ratio", "inf"], "--budget-ratio must be a finite number in (0, 1000], got inf"),
-        (["--budget-ratio", "nan"], "--budget-ratio must be a finite number in (0, 1000], got nan"),
-        (["--budget-ratio", "0"], "--budget-ratio must be a finite number in (0, 1000], got 0"),
-        (["--set", TYPICAL], LOSSY_ROLLOUT),  # it refused only after the warm-up
-        (["--first-seed", "-1"], "--first-seed and --seeds must keep every seed"),
+        (
+            ["--budget-ratio", "inf"],
+            {},
+            "--budget-ratio must be a finite number in (0, 1000], got inf",
+        ),
+        (
+            ["--budget-ratio", "nan"],
+            {},
+            "--budget-ratio must be a finite number in (0, 1000], got nan",
+        ),
+        (["--budget-ratio", "0"], {}, "--budget-ratio must be a finite number in (0, 1000], got 0"),
+        ([], {"set": [TYPICAL]}, LOSSY_ROLLOUT),  # it refused only after the warm-up
+        (["--first-seed", "-1"], {}, "--first-seed and --seeds must keep every seed"),
         (
             ["--factors", "anchors", "--levels", "accepted 0x,accepted 2x"],
+            {},
             "unknown level(s) ['accepted 2x'] of --factors anchors; pass --levels as",
         ),
     ],
 )
-def test_bad_ablate_options_are_one_line_errors_before_any_stage(tmp_path, options, message):
-    _one_line_experiment_error(tmp_path, ["ablate", *options], message)
+def test_bad_ablate_options_are_one_line_errors_before_any_stage(
+    tmp_path, options, recipe, message
+):
+    _one_line_experiment_error(tmp_path, ["ablate", *options], recipe, message)
 
 
-def _one_line_experiment_error(root, args: list[str], message: str) -> None:
-    """`opd experiment ARGS` on the tiny profile is a one-line error (exit 2) naming `message`,
-    and writes nothing besides the prompts it was given."""
+def _one_line_experiment_error(tmp_path, args: list[str], recipe: dict, message: str) -> None:
+    """`opd experiment ARGS` with a tiny-profile recipe (rounds=1 and `recipe`'s fields) is a
+    one-line error (exit 2) naming `message`, and writes nothing besides the prompts given."""
     from storage import Store
     from tests.pipeline.conftest import write_prompts
 
+    root = tmp_path / "data"
     prompts = write_prompts(Store(root))
     before = sorted(root.rglob("*"))
     cmd, *options = args
-    full = ["--root", str(root), "experiment", cmd, "--profile", "tiny", "--set", "rounds=1"]
+    fields = {k: v for k, v in recipe.items() if k != "set"}
+    path = write_recipe(tmp_path, "rounds=1", *recipe.get("set", []), **fields)
+    full = ["--root", str(root), "experiment", cmd, "--recipe", path]
     r = CliRunner().invoke(cli, [*full, "--prompts", str(prompts.ref), *options])
     assert r.exit_code == 2, r.output
     lines = r.output.strip().splitlines()

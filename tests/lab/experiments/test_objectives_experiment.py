@@ -13,6 +13,7 @@ from pipeline.core.runner import planned_ref
 from pipeline.profiles import load_config
 from pipeline.stages import sft
 from storage import OpdError
+from tests.lab.conftest import write_recipe
 
 
 def test_objectives_trains_both_at_matched_steps_and_writes_its_report(tiny):
@@ -93,8 +94,8 @@ def test_objectives_trains_both_at_matched_steps_and_writes_its_report(tiny):
             str(store.root),
             "experiment",
             "objectives",
-            "--profile",
-            "tiny",
+            "--recipe",
+            write_recipe(store.root.parent, profile="tiny"),
             "--seeds",
             "1",
             "--prompts",

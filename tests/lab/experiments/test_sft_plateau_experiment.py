@@ -13,6 +13,7 @@ from pipeline.core.runner import planned_ref
 from pipeline.profiles import load_config
 from pipeline.stages import sft
 from storage import OpdError
+from tests.lab.conftest import write_recipe
 
 EPOCHS = ["sft.steps=null", "sft.epochs=1", "sft.val_every=2"]  # the experiment sizes in epochs
 
@@ -66,8 +67,8 @@ def test_sft_plateau_trains_each_share_and_epochs_and_reports_the_curves(tiny):
     assert report.meta["runs"] == result["runs"]
 
     # the CLI prints the same result (everything is cached now, the report too) as JSON
-    args = ["--root", str(store.root), "experiment", "sft-plateau", "--profile", "tiny"]
-    args += [a for s in EPOCHS for a in ("--set", s)]
+    recipe = write_recipe(store.root.parent, *EPOCHS)
+    args = ["--root", str(store.root), "experiment", "sft-plateau", "--recipe", recipe]
     args += ["--data-shares", "0.5,1", "--prompts", str(prompts.ref), "--json"]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
@@ -110,8 +111,9 @@ def test_sft_plateau_sizes_runs_in_steps_when_the_profile_does(tiny):
     assert "each share for 6 steps" in report.file("report.md").read_text()
     assert report.file("plateau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    args = ["--root", str(store.root), "experiment", "sft-plateau", "--profile", "tiny"]
-    args += ["--set", "sft.val_every=2", "--data-shares", "0.5,1", "--steps", "6,9"]
+    recipe = write_recipe(store.root.parent, "sft.val_every=2")
+    args = ["--root", str(store.root), "experiment", "sft-plateau", "--recipe", recipe]
+    args += ["--data-shares", "0.5,1", "--steps", "6,9"]
     r = CliRunner().invoke(cli, [*args, "--prompts", str(prompts.ref), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout) == result
