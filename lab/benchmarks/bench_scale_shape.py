@@ -40,7 +40,7 @@ from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
 from storage import Dataset, Store
 
-# τ at T=0, K=6 on the embedded target's 48 held-out prompts (docs/results.md, "EAGLE-3 with
+# τ at T=0, K=6 on the embedded target's 48 held-out prompts (lab/notebook/, "EAGLE-3 with
 # five rounds"): the SFT warm-up, continued SFT and Draft-OPD (five rounds, 2x budget, seed mean).
 EMBEDDED_TAU = {"sft_warmup": 2.657, "continued_sft": 3.132, "draft_opd": 3.498}
 

@@ -53,7 +53,7 @@ log = logging.getLogger("opd")
 REPORT_KIND = "experiment-sft-plateau"
 DEFAULT_PLATEAU_GAIN = 0.01
 """A step up that raises tau by less than this is no gain: 0.01 is about the spread of tau over
-seeds measured on the real model (docs/results.md, SmolLM2: 0.001-0.018)."""
+seeds measured on the real model (lab/notebook/, SmolLM2: 0.001-0.018)."""
 TAUS = {"tau_sim": "T=0", "tau_expected": "T=1"}
 
 
