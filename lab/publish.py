@@ -67,20 +67,21 @@ def this_machine() -> str:
     import torch
 
     if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     cpuinfo = Path("/proc/cpuinfo")
     fields: dict[str, str] = {}
     for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())  # the first core's
     cpu = fields.get("model name") or platform.processor() or "unknown CPU"
+    cpu = " ".join(w for w in cpu.replace("(R)", "").split() if w != "Processor")
     if "model" in fields:
         cpu += f" (model {fields['model']})"
     flags = set(fields.get("flags", "").split())
     bf16 = "AVX-512-BF16" if "avx512_bf16" in flags else "no AVX-512-BF16"
     amx = "AMX" if "amx_tile" in flags else "no AMX"
     capability = torch.backends.cpu.get_cpu_capability()
-    return f"{cpu}, {os.cpu_count()} cores, {capability}, {bf16}, {amx} (torch {torch.__version__})"
+    return f"{cpu}, {os.cpu_count()} cores, {capability}, {bf16}, {amx}, torch {torch.__version__}"
 
 
 def _files_of_dataset(store: Store, ref: str) -> tuple[dict[str, Path], dict[str, Any]]:
