@@ -352,9 +352,7 @@ def check_arm_options(
         )
     t = sft_data_temperature
     if t is not None and not (math.isfinite(t) and t >= 0):
-        raise OpdError(
-            f"--sft-data-temperature must be a finite number >= 0 (0: greedy), got {t:g}"
-        )
+        raise OpdError(f"sft_data_temperature must be a finite number >= 0 (0: greedy), got {t:g}")
 
 
 def arm_budget(warm: Warmup, budget: int | None, budget_ratio: float) -> int:

@@ -341,7 +341,7 @@ def _tau_change_table(result: dict[str, Any]) -> pl.DataFrame:
 
 
 def _speed_table(result: dict[str, Any]) -> pl.DataFrame:
-    """One row per (arm, temperature) of the speed measurement (empty without `--speed`)."""
+    """One row per (arm, temperature) of the speed measurement (empty unless the recipe sets `speed`)."""
     arms = result.get("speed", {}).get("arms", {})
     rows = [
         {"arm": arm, "temperature": float(t)} | stats
@@ -590,7 +590,7 @@ def _curve_prompts(result: dict[str, Any]) -> str:
         return "the prompts evaluate decodes"
     return (
         f"the held-out prompts of the warm-up's `{own}`, while evaluate decodes "
-        f"`{result['eval_prompts']}`'s (`--eval-prompts`): the lines and the squares are on "
+        f"`{result['eval_prompts']}`'s (the recipe's `eval_prompts`): the lines and the squares are on "
         "different prompts"
     )
 
