@@ -3,7 +3,7 @@
 import pytest
 
 from lab.experiments.common import nth_step
-from pipeline.stages.opd import steps_for_budget
+from pipeline.core.budget import steps_for_budget
 from storage import OpdError
 
 
