@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,12 +151,44 @@ def _dry_run(recipe: Recipe, command: str) -> None:
     click.echo("\n".join(lines))
 
 
-def _arm_args(
-    name: str, recipe: str, seeds: int, first_seed: int | None, budget: int | None, ratio: float
-) -> list[str]:
-    args = [name, "--recipe", recipe, "--seeds", str(seeds)]
-    args += ["--first-seed", str(first_seed)] if first_seed is not None else []
-    return args + (["--budget", str(budget)] if budget else ["--budget-ratio", f"{ratio:g}"])
+def _run_arms(
+    store: Store,
+    experiment: Callable[..., dict[str, Any]],
+    args: list[str],
+    options: dict[str, Any],
+    recipe_fields: tuple[str, ...] = (),
+    **more: Any,
+) -> dict[str, Any] | None:
+    """Run an experiment that trains arms or variants at a drafter budget (opd-vs-sft, ablate)
+    from its recipe and `options` (the command's options: recipe_name, seeds, first_seed,
+    budget, budget_ratio, prompts_ref, dry_run, as_json), quoting `args` plus them in its report, with
+    the recipe's `recipe_fields` and `more` as keywords; None for a dry run."""
+    name, recipe = args[0], load_recipe(options["recipe_name"])
+    args = [name, "--recipe", options["recipe_name"], "--seeds", str(options["seeds"]), *args[1:]]
+    if options["first_seed"] is not None:
+        args += ["--first-seed", str(options["first_seed"])]
+    ratio = options["budget_ratio"]
+    args += ["--budget", str(options["budget"])] if options["budget"] else []
+    args += [] if options["budget"] else ["--budget-ratio", f"{ratio:g}"]
+    args += ["--prompts", options["prompts_ref"]] if options["prompts_ref"] else []
+    if options["dry_run"]:
+        return _dry_run(recipe, _command_line(store, args))
+    cfg, ctx = _experiment_context(store, recipe, options["as_json"], f"experiment-{name}")
+    return experiment(
+        cfg,
+        ctx,
+        seeds=options["seeds"],
+        first_seed=options["first_seed"],
+        budget=options["budget"],
+        budget_ratio=ratio,
+        prompts=_prompts(store, options["prompts_ref"]),
+        eval_prompts=_recipe_prompts(ctx, recipe, recipe.eval_prompts),
+        eval_max_prompts=recipe.eval_max_prompts,
+        rollout_prompts=_recipe_prompts(ctx, recipe, recipe.rollout_prompts),
+        command=_command_line(store, args),
+        **{field: getattr(recipe, field) for field in recipe_fields},
+        **more,
+    )
 
 
 @experiment_group.command("recipes")
@@ -177,17 +210,7 @@ def recipes_cmd(name: str | None) -> None:
 @_options(_RECIPE, _seeds(3, "Seeds per arm"), _FIRST_SEED, _BUDGET, _budget_ratio(1.0))
 @_options(_PROMPTS, _DRY_RUN, _JSON)
 @click.pass_obj
-def opd_vs_sft_cmd(
-    store: Store,
-    recipe_name: str,
-    seeds: int,
-    first_seed: int | None,
-    budget: int | None,
-    budget_ratio: float,
-    prompts_ref: str | None,
-    dry_run: bool,
-    as_json: bool,
-) -> None:
+def opd_vs_sft_cmd(store: Store, **options: Any) -> None:
     """From one SFT warm-up, spend the same drafter budget on continued SFT and on Draft-OPD
     rounds; compare tau on held-out prompts at T=0 and T=1, and plot held-out tau against
     row-steps for both arms. Writes a report dataset (experiment@VERSION).
@@ -196,28 +219,11 @@ def opd_vs_sft_cmd(
     """
     from lab.experiments import opd_vs_sft
 
-    recipe = load_recipe(recipe_name)
-    args = _arm_args("opd-vs-sft", recipe_name, seeds, first_seed, budget, budget_ratio)
-    args += ["--prompts", prompts_ref] if prompts_ref else []
-    if dry_run:
-        return _dry_run(recipe, _command_line(store, args))
-    cfg, ctx = _experiment_context(store, recipe, as_json, "experiment-opd-vs-sft")
-    result = opd_vs_sft.opd_vs_sft(
-        cfg,
-        ctx,
-        seeds=seeds,
-        first_seed=first_seed,
-        budget=budget,
-        budget_ratio=budget_ratio,
-        sft_data_temperature=recipe.sft_data_temperature,
-        prompts=_prompts(store, prompts_ref),
-        eval_prompts=_recipe_prompts(ctx, recipe, recipe.eval_prompts),
-        eval_max_prompts=recipe.eval_max_prompts,
-        rollout_prompts=_recipe_prompts(ctx, recipe, recipe.rollout_prompts),
-        command=_command_line(store, args),
-        speed=recipe.speed,
-    )
-    click.echo(json.dumps(result, indent=2) if as_json else opd_vs_sft.summary_text(result))
+    fields = ("sft_data_temperature", "speed")
+    result = _run_arms(store, opd_vs_sft.opd_vs_sft, ["opd-vs-sft"], options, fields)
+    if result is not None:
+        text = opd_vs_sft.summary_text(result)
+        click.echo(json.dumps(result, indent=2) if options["as_json"] else text)
 
 
 @experiment_group.command("ablate")
@@ -241,19 +247,7 @@ def opd_vs_sft_cmd(
 @_budget_ratio(0.25, " (small: the default grid, 4 loss families x 2 seeds, then fits in an hour)")
 @_options(_PROMPTS, _DRY_RUN, _JSON)
 @click.pass_obj
-def ablate_cmd(
-    store: Store,
-    recipe_name: str,
-    factors: str,
-    levels: str | None,
-    seeds: int,
-    first_seed: int | None,
-    budget: int | None,
-    budget_ratio: float,
-    prompts_ref: str | None,
-    dry_run: bool,
-    as_json: bool,
-) -> None:
+def ablate_cmd(store: Store, factors: str, levels: str | None, **options: Any) -> None:
     """Draft-OPD variants, one factor at a time, from opd-vs-sft's SFT warm-up at one drafter
     budget; tau at T=0 and T=1 per variant over seeds. Writes a report dataset
     (experiment@VERSION: Parquet table, PNG plot, report.md).
@@ -262,30 +256,15 @@ def ablate_cmd(
 
     names = [f.strip() for f in factors.split(",") if f.strip()]
     labels = None if levels is None else [x.strip() for x in levels.split(",") if x.strip()]
-    recipe = load_recipe(recipe_name)
-    args = _arm_args("ablate", recipe_name, seeds, first_seed, budget, budget_ratio)
-    args += ["--factors", ",".join(names)]
+    args = ["ablate", "--factors", ",".join(names)]
     args += ["--levels", ",".join(labels)] if labels is not None else []
-    args += ["--prompts", prompts_ref] if prompts_ref else []
-    if dry_run:
-        return _dry_run(recipe, _command_line(store, args))
-    cfg, ctx = _experiment_context(store, recipe, as_json, "experiment-ablate")
-    result = ablation.ablate(
-        cfg,
-        ctx,
-        factors=names,
-        levels=labels,
-        seeds=seeds,
-        first_seed=first_seed,
-        budget=budget,
-        budget_ratio=budget_ratio,
-        prompts=_prompts(store, prompts_ref),
-        eval_prompts=_recipe_prompts(ctx, recipe, recipe.eval_prompts),
-        eval_max_prompts=recipe.eval_max_prompts,
-        rollout_prompts=_recipe_prompts(ctx, recipe, recipe.rollout_prompts),
-        command=_command_line(store, args),
-    )
-    click.echo(json.dumps(result, indent=2) if as_json else ablation.ablate_summary_text(result))
+    result = _run_arms(store, ablation.ablate, args, options, factors=names, levels=labels)
+    if result is not None:
+        click.echo(
+            json.dumps(result, indent=2)
+            if options["as_json"]
+            else ablation.ablate_summary_text(result)
+        )
 
 
 def _numbers(ctx: click.Context, param: click.Parameter, value: str | None) -> list[float] | None:

@@ -26,6 +26,7 @@ import torch
 
 from pipeline import chains
 from pipeline.chains import Step
+from pipeline.core import budget as budget_steps
 from pipeline.core import training, validation
 from pipeline.core.drafters import METRICS_FILE, load_drafter_dataset
 from pipeline.core.runner import RunContext, StageResult, run_stage
@@ -83,19 +84,11 @@ def sft_steps_for_budget(data: list[Dataset], cfg: sft.Config, budget: int) -> i
 
     @functools.cache
     def plan(epoch: int) -> list[int]:
-        batches = training.plan_batches(
-            index.lengths,
-            rows,
-            batch_size=cfg.batch_size,
-            max_tokens=cfg.max_tokens,
-            seed=cfg.seed,
-            epoch=epoch,
-            shuffle=True,
-            world_size=1,
+        return budget_steps.step_costs(
+            index.lengths, rows, steps_per_row=cfg.unroll_depth, epoch=epoch, cfg=cfg, world_size=1
         )
-        return [int(index.lengths[b].sum()) * cfg.unroll_depth for b in batches]
 
-    return opd.steps_for_budget(budget, lambda s: nth_step(plan, s))
+    return budget_steps.steps_for_budget(budget, lambda s: nth_step(plan, s))
 
 
 def nth_step(plan: Callable[[int], list[int]], step: int) -> int:

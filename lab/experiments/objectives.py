@@ -33,8 +33,8 @@ from typing import Any
 
 import polars as pl
 
+from lab.experiments.report import sft_data
 from models.drafters import DEFAULT_KIND, KINDS
-from pipeline import chains
 from pipeline.core.drafters import METRICS_FILE
 from pipeline.core.report import md_table
 from pipeline.core.runner import RunContext, StageResult, run_stage
@@ -112,12 +112,7 @@ def objectives(
     """
     _check(cfg, seeds)
     k = cfg.drafting.k
-    results: dict[str, StageResult] = {}
-    data_steps = chains.sft_chain(cfg)[:3]  # prompts, generate, features
-    external: dict[str, Dataset] = {}
-    if prompts is not None:
-        data_steps, external = data_steps[1:], {"prompts": prompts}
-    results |= chains.run_chain(data_steps, ctx, external=external)
+    results: dict[str, StageResult] = sft_data(cfg, ctx, prompts)
     prompts = prompts or results["prompts"].dataset
     feats = results["features"].dataset
 

@@ -13,12 +13,7 @@ steps, so their cached datasets are shared with `opd run full`), for each seed:
       `sft_data_temperature` (e.g. 1.0) samples them instead;
   (b) Draft-OPD: `rounds` rounds of rollout -> score -> opd from the warm-up drafter.
 
-Both arms spend the same drafter budget, counted in drafter forward+backward row-steps: rows of
-the training-time-test unroll x unrolled steps (SFT: every token row x ttt_steps; OPD: the rows
-up to a sequence's last anchor x the replay depth K). Continued SFT runs the fewest steps whose
-row-steps reach the budget; each OPD round gets budget / rounds the same way. Both arms use the
-same peak learning rate (`opd.lr`). Target forwards are not in the budget (OPD runs one rollout
-and one scoring per round, continued SFT one data rollout); their token counts are reported.
+Both arms spend the same drafter budget in row-steps (how it is counted: common.py).
 
 The warm-up, continued-SFT and OPD drafters are evaluated on the held-out prompts at T=0 and
 T=1 with the same K (the evaluate stage, same seed for every arm). Where SFT plateaus: both

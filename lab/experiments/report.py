@@ -10,8 +10,9 @@ from typing import Any
 import polars as pl
 
 from lab.experiments.common import TEMPERATURES, seed_stats
+from pipeline import chains
 from pipeline.core.report import figure, png
-from pipeline.core.runner import RunContext
+from pipeline.core.runner import RunContext, StageResult
 from storage import Dataset
 
 log = logging.getLogger("opd")
@@ -146,3 +147,13 @@ def fmt_stats(values: list[float]) -> str:
 
 def warm_taus(warm: dict[str, Any]) -> dict[float, float]:
     return {t: warm["tau"][str(t)] for t in TEMPERATURES}
+
+
+def sft_data(cfg: Any, ctx: RunContext, prompts: Dataset | None) -> dict[str, StageResult]:
+    """The SFT chain's data stages (prompts, generate, features), cached with `opd run`'s; from
+    `prompts` instead of the prompts stage when given."""
+    data_steps = chains.sft_chain(cfg)[:3]  # prompts, generate, features
+    external: dict[str, Dataset] = {}
+    if prompts is not None:
+        data_steps, external = data_steps[1:], {"prompts": prompts}
+    return chains.run_chain(data_steps, ctx, external=external)

@@ -39,7 +39,6 @@ from typing import Any
 import polars as pl
 
 from lab.experiments import report
-from pipeline import chains
 from pipeline.core.config import default_drafter
 from pipeline.core.drafters import METRICS_FILE
 from pipeline.core.report import figure, md_table, png
@@ -145,12 +144,7 @@ def sft_plateau(
     sizes = (epochs if unit == "epochs" else steps) or [size, 2 * size]
     if unit == "steps":
         sizes = [int(s) for s in sizes]  # whole (checked); the CLI parses numbers as floats
-    results: dict[str, StageResult] = {}
-    data_steps = chains.sft_chain(cfg)[:3]  # prompts, generate, features
-    external: dict[str, Dataset] = {}
-    if prompts is not None:
-        data_steps, external = data_steps[1:], {"prompts": prompts}
-    results |= chains.run_chain(data_steps, ctx, external=external)
+    results: dict[str, StageResult] = report.sft_data(cfg, ctx, prompts)
     feats = results["features"].dataset
 
     runs: list[dict[str, Any]] = []
