@@ -14,10 +14,10 @@ from typing import Any, NoReturn
 import click
 import torch
 
-from cli import data, experiment, measure, run, serve, target
+from cli import data, measure, run, serve, target
 from models import vllm_engine
 from storage import OpdError, Store, default_root
-from storage.store import check_root_placement
+from storage.layout import check_root_placement
 
 
 class _Group(click.Group):
@@ -95,7 +95,6 @@ for command in (
     measure.tune_cmd,
     serve.export_cmd,
     serve.serve_cmd,
-    experiment.experiment_group,
     target.target_group,
 ):
     cli.add_command(command)

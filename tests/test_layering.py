@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("cli", "pipeline", "models", "storage", "benchmarks")
+PRODUCT = ("cli", "flows", "pipeline", "models", "storage")
+PACKAGES = ("cli", "pipeline", "models", "storage", "lab")
 
 
 def _imports(source: str) -> set[str]:
@@ -53,6 +54,10 @@ def test_the_module_check_sees_submodules():
     assert _under(names, "pipeline.core") == {"pipeline.core.config"}
 
 
+STAGE_PACKAGES = {"prompts": "pipeline.stages.prompt_sources"}
+"""A stage's own package of parts (the prompts stage's sources, one module each)."""
+
+
 def test_a_stage_imports_only_the_shared_machinery_below_it():
     # Code two stages need lives in pipeline/core; a stage reads another's output, never its
     # code, and never reaches up to chains, profiles, experiments or top-level modules.
@@ -60,12 +65,27 @@ def test_a_stage_imports_only_the_shared_machinery_below_it():
         if p.name == "__init__.py":
             continue
         names = _under(_modules(p.read_text()), "pipeline") - {"pipeline"}
-        bad = {n for n in names if not n.startswith("pipeline.core")}
+        own = STAGE_PACKAGES.get(p.stem, "pipeline.core")
+        bad = {n for n in names if not n.startswith(("pipeline.core", own))}
         assert not bad, f"{p.relative_to(REPO)} imports {sorted(bad)} (only pipeline.core)"
 
 
+def test_a_stage_package_imports_the_core_its_siblings_and_only_its_stage_config():
+    # The parts below a stage import what a stage may, each other, and their stage only for its
+    # config's type (under TYPE_CHECKING: the stage imports them).
+    for stage, package in STAGE_PACKAGES.items():
+        for p in _files(package.replace(".", "/")):
+            source = p.read_text()
+            names = _under(_modules(source), "pipeline") - {"pipeline"}
+            allowed = ("pipeline.core", package, f"pipeline.stages.{stage}")
+            bad = {n for n in names if not n.startswith(allowed)}
+            assert not bad, f"{p.relative_to(REPO)} imports {sorted(bad)}"
+            stage_modules = {f"pipeline.stages.{stage}"}
+            assert not _project_imports(source, stage_modules), f"{p} imports its stage at run"
+
+
 def test_core_imports_nothing_above_it():
-    above = ("pipeline.stages", "pipeline.experiments", "pipeline.chains", "pipeline.profiles")
+    above = ("pipeline.stages", "pipeline.chains", "pipeline.profiles")
     above += ("pipeline.distributed",)
     for p in _files("pipeline/core"):
         bad = _under(_modules(p.read_text()), *above)
@@ -78,7 +98,7 @@ def test_drafter_kinds_are_reached_only_through_the_interface():
     from models.drafters import KINDS
 
     kinds = tuple(f"models.{kind}" for kind in KINDS)
-    for p in _files("pipeline", "cli", "flows", "benchmarks", "storage"):
+    for p in _files("pipeline", "cli", "flows", "lab", "storage"):
         bad = _under(_modules(p.read_text()), *kinds)
         assert not bad, f"{p.relative_to(REPO)} imports a drafter kind's module {sorted(bad)}"
     for p in _files("models"):
@@ -134,6 +154,23 @@ def test_only_flows_import_prefect():
         str(p.relative_to(REPO)) for p in _files(*PACKAGES) if "prefect" in _imports(p.read_text())
     ]
     assert not offenders, f"Prefect imported outside flows/: {offenders}"
+
+
+def test_nothing_in_the_product_imports_the_lab():
+    # The lab (experiments, benchmarks, recipes, findings) builds on the product; the product
+    # installs and runs without it. Lazy imports count: they still run.
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts) for p in _files("lab")}
+    modules |= {"lab"} | {m.removesuffix(".__init__") for m in modules}
+    for p in _files(*PRODUCT):
+        bad = _under(_project_imports(p.read_text(), modules), "lab")
+        assert not bad, f"{p.relative_to(REPO)} imports the lab: {sorted(bad)}"
+
+
+def test_the_lab_check_sees_a_lazy_import():
+    modules = {"lab", "lab.cli", "lab.experiments", "lab.experiments.ablate"}
+    lazy = "def f():\n    from lab.experiments import ablate\n"
+    assert _project_imports(lazy, modules) == {"lab.experiments.ablate"}
+    assert _project_imports("import lab.cli\n", modules) == {"lab.cli"}
 
 
 def test_imports_point_one_way():
@@ -270,7 +307,7 @@ def test_the_cli_and_the_configs_start_without_transformers():
     # them ~3 s of a ~5 s start on 2 cores, paid again by every launch. Only code that loads a
     # target or tokenizer imports it, inside the function that does.
     code = (
-        "import sys, cli.main, pipeline.profiles, pipeline.distributed, pipeline.chains\n"
+        "import sys, cli.main, lab.cli, pipeline.profiles, pipeline.distributed, pipeline.chains\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'vllm'}))"
     )
     done = subprocess.run(

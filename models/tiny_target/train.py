@@ -73,7 +73,7 @@ class TrainConfig(BaseModel):
     grad_clip: float = Field(1.0, gt=0)
     bf16: bool = True
     # Inductor fuses the many small element-wise ops of a d=256 model and the loss: 1.49x the
-    # eager step rate (benchmarks/bench_target_train.py), which is what fits the run into 30 min
+    # eager step rate (lab/benchmarks/bench_target_train.py), which is what fits the run into 30 min
     # on 2 cores. Needs a C++ compiler.
     compile: bool = True
     seed: int = 0

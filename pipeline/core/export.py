@@ -30,7 +30,7 @@ from pipeline.core.targets import TargetLoader
 from storage import Dataset, OpdError
 from storage.fingerprint import VERSION_LEN
 from storage.jsonfile import UnreadableJson, read_json_object
-from storage.store import MANIFEST
+from storage.layout import MANIFEST
 
 log = logging.getLogger("opd")
 

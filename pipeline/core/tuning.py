@@ -29,7 +29,7 @@ from pipeline.core.drafters import load_drafter_dataset, trained_depth
 from pipeline.core.targets import TargetLoader
 from storage import Dataset, OpdError
 from storage.jsonfile import UnreadableJson, read_json_object
-from storage.store import atomic_write_text, stale_temporary, take_lock
+from storage.layout import atomic_write_text, stale_temporary, take_lock
 
 log = logging.getLogger("opd")
 

@@ -90,7 +90,7 @@ from pipeline.core.stage import DRAFTER_DATASETS, HELDOUT_SETS, Inputs, Stage
 from pipeline.core.targets import check_engine_target, resolve_dtype
 from storage import Dataset, DatasetWriter, OpdError, canonical_json
 from storage.jsonfile import UnreadableJson, read_json_object
-from storage.store import atomic_write_text
+from storage.layout import atomic_write_text
 
 log = logging.getLogger("opd")
 

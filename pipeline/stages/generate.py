@@ -11,7 +11,7 @@ The engine is `generate.backend`: `hf` (transformers' batched `generate`) or `vl
 extra, through models/vllm_engine.py, same prompts, sampling parameters, stop ids and per-shard
 seeds; the engine's token ids are stored as they come). `auto` takes vLLM where it is installed
 and can load the target, else HF: on 2 CPU cores vLLM generated 1.7-2.2x HF's trajectories/s
-(benchmarks/bench_generate.py). The engine used enters the version: at T=0 the two agree on most
+(lab/benchmarks/bench_generate.py). The engine used enters the version: at T=0 the two agree on most
 prompts but not all, and they sample from different random streams.
 
 Resumes: completed shards are skipped.

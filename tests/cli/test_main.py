@@ -5,7 +5,7 @@ import pyarrow as pa
 import torch
 from click.testing import CliRunner
 
-from cli.main import cli
+from lab.cli import cli
 from storage import Store
 
 
@@ -126,7 +126,7 @@ def test_an_option_out_of_its_range_is_one_line_not_clicks_usage_block(tmp_path)
         (["experiment", "objectives", "--seeds", "0"], "'--seeds': 0 is not in the range"),
         (["--threads", "0", "ls"], "'--threads': 0 is not in the range x>=1"),
     ):
-        args = args if args[0] == "--threads" else [*args, "--profile", "tiny"]
+        args = args if args[0] == "--threads" else [*args, "--recipe", "tiny-eagle3-t0"]
         assert message in _one_line_error(root, *args), args
     assert not root.exists()  # nothing written
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from pipeline.core import training
-from storage.store import DatasetWriter
+from storage.writer import DatasetWriter
 
 Hook = Callable[[str], str | None]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import models.verify as verify
-from benchmarks.bench_typical_law import EMBEDDED, fit_drafter, measure, prefix_ids
+from lab.benchmarks.bench_typical_law import EMBEDDED, fit_drafter, measure, prefix_ids
 from models.blocks import block_acceptance
 from models.decoding import SpecConfig, speculative_generate
 from models.drafter import ChainShape, TreeShape

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-import storage.store
+import storage.layout
 from cli.main import cli
 from storage import CorruptDataset, Store
 from tests.storage.test_hardening import dead_pid, make, values
@@ -32,7 +32,7 @@ def gc_between_open_and_flock(monkeypatch, store: Store, removed: list) -> None:
             removed.extend(store.gc())
         real(fd, op)
 
-    monkeypatch.setattr(storage.store.fcntl, "flock", flock)
+    monkeypatch.setattr(storage.layout.fcntl, "flock", flock)
 
 
 def test_gc_never_takes_the_lock_or_the_directory_of_a_writer_starting_beside_it(
@@ -78,7 +78,7 @@ def test_gc_never_removes_the_directory_of_a_rank_whose_lock_file_did_not_exist_
             zero.write_parquet("part-0.parquet", pa.table({"x": [1]}))
         real(fd, op)
 
-    monkeypatch.setattr(storage.store.fcntl, "flock", flock)
+    monkeypatch.setattr(storage.layout.fcntl, "flock", flock)
     removed = store.gc()
     monkeypatch.undo()
     try:
@@ -179,7 +179,7 @@ def test_gc_goes_on_when_a_lock_file_it_listed_is_unlinked_before_it_opens_it(
             lock.unlink(missing_ok=True)  # the writer's refusal, just before it
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(storage.store.os, "open", open_)
+    monkeypatch.setattr(storage.layout.os, "open", open_)
     removed = store.gc()  # was: FileNotFoundError
     monkeypatch.undo()
     assert removed == [work] and values(store) == [1, 2]

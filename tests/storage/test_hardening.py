@@ -10,7 +10,7 @@ import sys
 import pyarrow as pa
 import pytest
 
-import storage.store
+import storage.layout
 from storage import CorruptDataset, DatasetNotFound, OpdError, Store, check_run_name
 
 
@@ -126,7 +126,7 @@ def test_full_disk_at_latest_is_one_error_and_leaves_no_temporary(tmp_path, monk
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(storage.store.os, "fsync", full)
+    monkeypatch.setattr(storage.layout.os, "fsync", full)
     with pytest.raises(OpdError, match=r"disk full while writing prompts/LATEST; .*free space"):
         store.set_latest(ds.ref)
     with pytest.raises(OpdError, match="disk full while writing run record"):

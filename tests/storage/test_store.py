@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-import storage.store
+import storage.layout
 from pipeline.core.config import StrictConfig, runtime_field, version_dict
 from storage import (
     CorruptDataset,
@@ -458,7 +458,7 @@ def test_a_writer_waiting_on_a_refused_writers_lock_locks_the_file_its_path_name
             waiting.commit()
 
     with refused:
-        monkeypatch.setattr(storage.store.fcntl, "flock", flock)
+        monkeypatch.setattr(storage.layout.fcntl, "flock", flock)
         thread = threading.Thread(target=write)
         thread.start()
         assert blocked.wait(30)

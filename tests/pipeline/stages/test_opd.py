@@ -19,7 +19,7 @@ from models.drafters import load_drafter
 from models.kv import KVCache
 from models.losses import replay_loss
 from models.vocab import DraftVocab
-from pipeline.core import drafters, training
+from pipeline.core import budget, drafters, training
 from pipeline.core.config import version_dict
 from pipeline.core.drafters import load_drafter_dataset
 from pipeline.core.runner import RunContext, run_stage
@@ -582,5 +582,5 @@ def test_opd_under_ddp_with_two_gloo_ranks_commits_once(world, tmp_path):
     held = {index.features.keys[i] for i in val}
     items = [i for i, key in enumerate(index.keys) if key not in held]
     cfg = opd.Config(steps=3, batch_size=2, seed=11)
-    plan = opd._step_costs(index.lengths, items, steps_per_row=K, epoch=0, cfg=cfg, world_size=2)
+    plan = budget.step_costs(index.lengths, items, steps_per_row=K, epoch=0, cfg=cfg, world_size=2)
     assert m["row_steps"].to_list() == plan[:3]

@@ -14,6 +14,7 @@ import pytest
 from models.tiny_target.tokenizer import EOS, train_bpe
 from pipeline.core.runner import run_stage
 from pipeline.stages import prompts
+from pipeline.stages.prompt_sources import magpie
 from pipeline.stages.prompts import PromptsConfig, build_rows, source_rows, user_rows, version_extra
 
 MODULE = textwrap.dedent(
@@ -620,14 +621,14 @@ def test_magpie_samples_distinct_user_turns_from_the_target(tiny, monkeypatch):
         magpie={"rows": 4, "max_new_tokens": 12, "batch_size": 8, "max_draws": 64, "backend": "hf"},
     )
     tok, target = ctx.target_loader.tokenizer, ctx.target_loader.target
-    prefix = prompts.user_prefix(tok)
+    prefix = magpie.user_prefix(tok)
     assert prefix.endswith("user\n") or "user" in prefix[-20:]
     # A random target neither ends turns nor writes sentences: let a third of its ids end a
     # turn, and accept any text (the filter has its own test).
     monkeypatch.setattr(target.model.generation_config, "eos_token_id", list(range(0, len(tok), 3)))
-    monkeypatch.setattr(prompts, "_usable_request", lambda text: bool(text.strip()))
-    rows, skipped = prompts.magpie_rows(cfg, tok, target, progress=False)
-    again, _ = prompts.magpie_rows(cfg, tok, target, progress=False)
+    monkeypatch.setattr(magpie, "_usable_request", lambda text: bool(text.strip()))
+    rows, skipped = magpie.magpie_rows(cfg, tok, target, progress=False)
+    again, _ = magpie.magpie_rows(cfg, tok, target, progress=False)
     assert rows == again  # seeded by the run's seed
     texts = [r["prompt_text"] for r in rows]
     assert 0 < len(rows) <= 4 and len(set(texts)) == len(texts)
@@ -636,9 +637,9 @@ def test_magpie_samples_distinct_user_turns_from_the_target(tiny, monkeypatch):
 
 
 def test_usable_request_keeps_sentences_and_drops_fragments():
-    assert prompts._usable_request("Can you suggest a recipe for dinner tonight?")
-    assert not prompts._usable_request("hi")
-    assert not prompts._usable_request("{{ ]] ## 12 34 ;; ::")
+    assert magpie._usable_request("Can you suggest a recipe for dinner tonight?")
+    assert not magpie._usable_request("hi")
+    assert not magpie._usable_request("{{ ]] ## 12 34 ;; ::")
 
 
 FILES = ("train.jsonl", "mt_bench.jsonl")

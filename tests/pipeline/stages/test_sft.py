@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from cli.main import cli
+from lab.experiments import common
 from models.drafters import KINDS, load_drafter
 from models.features import Features
 from models.losses import (
@@ -32,7 +33,6 @@ from pipeline.core.config import version_dict
 from pipeline.core.runner import RunContext, run_stage
 from pipeline.core.targets import TargetConfig, TargetLoader
 from pipeline.core.trainer import TrainingStopped
-from pipeline.experiments import common
 from pipeline.profiles import load_config
 from pipeline.stages import evaluate, features, generate, sft
 from storage import OpdError, Store

@@ -1,0 +1,137 @@
+"""Inside vLLM, on the same benchmark prompts at batch 1: plain decoding, vLLM's free n-gram
+(prompt-lookup) speculation, and each exported drafter, measured side by side in one run.
+
+Every prompt is decoded by every engine in turn (plain, n-gram, then the exports in the order
+given), so a noisy machine slows them alike; speed-ups are ratios of summed tokens over summed
+seconds within this run. At T=0 each speculative output is compared with plain decoding's.
+Prompts are the held-out sets the prompts stage reads (`question.jsonl` files, `humaneval`),
+first turns rendered with the target's chat template. Prints one JSON object.
+
+    .venv/bin/python -m lab.benchmarks.bench_vllm_real --target DIR \\
+        --sets ../shared/data/prompts/mt_bench.jsonl ../shared/data/prompts/gsm8k.jsonl humaneval \\
+        --export METHOD=EXPORT_DIR [--export METHOD2=DIR2] --prompts-per-set 24 --max-new-tokens 256
+
+METHOD is vLLM's speculative method for the export, the one `opd export` prints in its serve
+command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import operator
+import time
+from collections import Counter
+from pathlib import Path
+
+from models import vllm_engine
+from models.vllm_engine import EngineSpec
+from pipeline.core.drafters import baseline_kind
+
+
+def benchmark_prompts(target_dir: Path, sets: list[str], per_set: int) -> list[tuple[str, list]]:
+    """(set name, prompt ids) for the first `per_set` prompts of each set."""
+    from transformers import AutoTokenizer
+
+    from pipeline.stages.prompts import PromptsConfig, heldout_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    cfg = PromptsConfig(heldout_sets=sets, max_heldout_rows=per_set, max_prompt_tokens=4096)
+    rows = heldout_rows(cfg, tokenizer, Counter())
+    return [(r["source"].split(":")[0], r["prompt_ids"]) for r in rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, required=True, help="the target's HF directory")
+    ap.add_argument("--sets", nargs="+", required=True)
+    ap.add_argument(
+        "--export",
+        action="append",
+        default=[],
+        metavar="METHOD=DIR",
+        help="an `opd export` directory and vLLM's speculative method for it (its kind's)",
+    )
+    ap.add_argument("--k", type=int, default=6, help="drafted tokens per step for the exports")
+    ap.add_argument("--lookup-k", type=int, default=4, help="prompt lookup's K")
+    ap.add_argument("--prompts-per-set", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+
+    prompts = benchmark_prompts(args.target, args.sets, args.prompts_per_set)
+    plain = EngineSpec(str(args.target), args.dtype)
+    lookup = baseline_kind().serve_method  # vLLM's method for prompt lookup
+    engines = {
+        "plain": plain,
+        lookup: EngineSpec(str(args.target), args.dtype, None, args.lookup_k, method=lookup),
+    }
+    for item in args.export:
+        method, _, directory = item.partition("=")
+        engines[method] = EngineSpec(str(args.target), args.dtype, directory, args.k, method=method)
+    for spec in engines.values():
+        vllm_engine.start(spec)
+    config = json.loads((args.target / "generation_config.json").read_text())
+    eos = config.get("eos_token_id")
+    stop = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+    seconds = {n: Counter() for n in engines}
+    tokens = {n: Counter() for n in engines}
+    counters: dict[str, dict[str, vllm_engine.SpecCounters]] = {n: {} for n in engines}
+    same = {n: Counter() for n in engines}
+    count = Counter(name for name, _ in prompts)
+    for i, (group, ids) in enumerate(prompts):
+        reference = None
+        for name, spec in engines.items():
+            started = time.perf_counter()
+            if name == "plain":
+                out = vllm_engine.generate(
+                    spec, [ids], max_new_tokens=args.max_new_tokens, stop_ids=stop
+                )[0][0]
+            else:
+                outs, spent = vllm_engine.speculate(
+                    spec, [ids], max_new_tokens=args.max_new_tokens, stop_ids=stop
+                )
+                out = outs[0]
+                old = counters[name].get(group)
+                counters[name][group] = spent if old is None else old + spent
+            seconds[name][group] += time.perf_counter() - started
+            tokens[name][group] += len(out)
+            if name == "plain":
+                reference = out
+            same[name][group] += out == reference
+        print(f"prompt {i + 1}/{len(prompts)} ({group}) done", flush=True)
+
+    def row(name: str, groups: list[str]) -> dict:
+        t = sum(tokens[name][g] for g in groups)
+        s = sum(seconds[name][g] for g in groups)
+        base = sum(tokens["plain"][g] for g in groups) / sum(seconds["plain"][g] for g in groups)
+        out = {"tokens_per_s": t / s, "speedup_vs_plain": (t / s) / base}
+        if name != "plain":
+            total = functools.reduce(operator.add, (counters[name][g] for g in groups))
+            out |= {
+                "tau": total.tau,
+                "identical_to_plain": sum(same[name][g] for g in groups)
+                / sum(count[g] for g in groups),
+            }
+        return out
+
+    groups = list(count)
+    result = {
+        "target": str(args.target),
+        "batch_size": 1,
+        "temperature": 0,
+        "max_new_tokens": args.max_new_tokens,
+        "k": {lookup: args.lookup_k, "exports": args.k},
+        "prompt_lookup_sizes": list(vllm_engine.PROMPT_LOOKUP_SIZES),
+        "prompts": dict(count),
+        "by_set": {g: {n: row(n, [g]) for n in engines} for g in groups},
+        "all": {n: row(n, groups) for n in engines},
+    }
+    vllm_engine.close()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

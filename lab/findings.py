@@ -1,0 +1,269 @@
+"""Render docs/findings.md's (and README's) tables from the published reports (lab/published/).
+
+A table in those files is the text between `<!-- findings: KIND PATTERN [OPTION] -->` and
+`<!-- /findings -->`; this module rewrites it from every published report whose name matches
+the glob PATTERN, so the numbers there are never typed. KIND is one of:
+
+- `opd-vs-sft`: Draft-OPD against continued SFT, both temperatures (option `worse`: only the
+  rows where Draft-OPD is behind);
+- `eval`: evaluations (τ, speed-up over plain decoding, the training-free lookup beside it);
+- `stage-costs`: a `bench_scale_shape` run: every stage's rate, memory and bytes a token
+  (option `round1`: the first Draft-OPD round's stages only);
+- `projected`: the speed-up the same run's step costs project at the embedded target's τ.
+
+    python -m lab.findings            # rewrite docs/findings.md and README.md's tables
+    python -m lab.findings --check    # exit 1 when they are not what the published reports give
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lab.publish import MANIFEST, PROVENANCE, PUBLISHED, RESULT
+from models.drafters import DEFAULT_KIND, KINDS
+
+REPO = Path(__file__).resolve().parents[1]
+FINDINGS = REPO / "docs" / "findings.md"
+DOCS = (FINDINGS, REPO / "README.md")  # the files whose tables come from published reports
+BLOCK = re.compile(
+    r"(<!-- findings: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /findings -->)", re.S
+)
+
+
+class Published:
+    """One folder of lab/published/: its manifest (datasets), result JSON and provenance."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.name = path.name
+        self.provenance = self._json(PROVENANCE) or {}
+        self.manifest = self._json(MANIFEST) or {}
+        self.result = self._json(RESULT) or {}
+
+    def _json(self, name: str) -> dict[str, Any] | None:
+        file = self.path / name
+        return json.loads(file.read_text()) if file.is_file() else None
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.manifest.get("meta", {})
+
+    @property
+    def stage(self) -> str | None:
+        return self.manifest.get("stage")
+
+    def link(self, docs: Path) -> str:
+        """A link from the `docs` file to the report (its report.md, else its provenance)."""
+        target = self.path / ("report.md" if (self.path / "report.md").is_file() else PROVENANCE)
+        return f"[{self.name}]({Path(os.path.relpath(target, docs.parent)).as_posix()})"
+
+    @property
+    def hardware(self) -> str:
+        return self.provenance.get("hardware") or "–"
+
+
+def _title(kind: str | None) -> str:
+    """A kind as users name it (EAGLE-3, DFlash, ...)."""
+    return KINDS[kind].title if kind in KINDS else "–"
+
+
+def published(pattern: str, root: Path = PUBLISHED) -> list[Published]:
+    dirs = sorted(p for p in root.glob("*") if p.is_dir() and not p.name.startswith("."))
+    return [Published(p) for p in dirs if fnmatch.fnmatch(p.name, pattern)]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def _spread(values: list[float]) -> str:
+    """mean ± standard deviation over seeds (the mean alone for one seed)."""
+    if len(values) < 2:
+        return f"{values[0]:.3f}"
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def opd_vs_sft_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
+    rows = []
+    for r in (r for r in reports if r.stage == "opd-vs-sft"):
+        m = r.meta
+        for t, s in (("0", ""), ("1", "_t1")):
+            ratio = m[f"opd_over_sft_continued{s}"]
+            if option == "worse" and ratio >= 1:
+                continue
+            per_seed = ", ".join(f"{x:.3f}" for x in m[f"opd_over_sft_continued{s}_per_seed"])
+            rows.append(
+                [
+                    r.link(docs),
+                    _title(r.result.get("drafter_kind")),
+                    str(len(m[f"tau_opd{s}_per_seed"])),
+                    t,
+                    f"{m[f'tau_sft_warmup{s}']:.3f}",
+                    _spread(m[f"tau_sft_continued{s}_per_seed"]),
+                    _spread(m[f"tau_opd{s}_per_seed"]),
+                    f"**{ratio:.3f}** ({per_seed})",
+                ]
+            )
+    return rows
+
+
+OPD_VS_SFT = (  # the table's header
+    "report | kind | seeds | T | SFT warm-up τ | continued SFT τ | Draft-OPD τ | Draft-OPD / "
+    "continued SFT (per seed)"
+).split(" | ")
+
+
+def eval_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
+    rows = []
+    for r in (r for r in reports if r.stage == "evaluate"):
+        m = r.meta
+        free = m.get("free_baseline") or {}
+        lookup = f"{free['tau']:.3f}" if "tau" in free else "–"
+        if "speedup" in free:
+            lookup += f" ({free['speedup']:.2f}×)"
+        rows.append(
+            [
+                r.link(docs),
+                _title(r.provenance.get("drafter_kind")),
+                f"{m['temperature']:g}",
+                str(m["k"]),
+                str(m["prompts"]),
+                f"{m['tau']:.3f}",
+                f"{m['speedup']:.2f}×" if "speedup" in m else "–",
+                lookup,
+                r.hardware,
+            ]
+        )
+    return rows
+
+
+EVAL = (  # the table's header
+    "report | kind | T | K | prompts | τ | speed-up over plain decoding | n-gram lookup τ "
+    "(speed-up) | hardware"
+).split(" | ")
+
+
+def _gb(n: int | None) -> str:
+    return f"{n / 1e9:.1f}" if n else "–"
+
+
+def stage_cost_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
+    rows = []
+    for r in (r for r in reports if "stages" in r.result):
+        kind = _title(r.result.get("drafter_kind") or DEFAULT_KIND)  # older runs: the default
+        for stage, c in r.result["stages"].items():
+            if not c.get("tokens") or (option == "round1" and stage.endswith("-r2")):
+                continue  # no per-token work (the prompts stage), or a later round's repeat
+            per_token = c.get("bytes_per_token")
+            rows.append(
+                [
+                    r.link(docs),
+                    kind,
+                    stage,
+                    c["unit"],
+                    f"{c['tokens_per_s']:,.1f}",
+                    _gb(c.get("peak_gpu_bytes")),
+                    _gb(c.get("peak_host_bytes")),
+                    f"{per_token:,.0f}" if per_token else "–",
+                    r.hardware,
+                ]
+            )
+    return rows
+
+
+STAGE_COSTS = (  # the table's header
+    "report | kind | stage | unit of work | units/s | peak GPU GB | peak host GB | bytes "
+    "written a unit | hardware"
+).split(" | ")
+
+
+def projected_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
+    rows = []
+    for r in (r for r in reports if "projected_speedup" in r.result):
+        costs = r.result["step_costs"]
+        forward = costs["verify_s"]["1"]
+        taus = r.result.get("projected_at_tau", {})
+        for arm, speedup in r.result["projected_speedup"].items():
+            rows.append(
+                [
+                    r.link(docs),
+                    _title(r.result.get("drafter_kind") or DEFAULT_KIND),
+                    f"{forward * 1e3:.1f} ms",
+                    f"{costs['drafter_s_per_forward'] * 1e3:.2f} ms",
+                    arm.replace("_", " "),
+                    f"{taus[arm]:.3f}" if arm in taus else "–",
+                    f"**{speedup:.2f}×**",
+                    r.hardware,
+                ]
+            )
+    return rows
+
+
+PROJECTED = (  # the table's header
+    "report | kind | target forward | drafter forward | drafter (embedded target's τ) | τ | "
+    "projected speed-up | hardware"
+).split(" | ")
+
+TABLES: dict[str, tuple[list[str], Callable[[list[Published], Path, str], list[list[str]]]]] = {
+    "opd-vs-sft": (OPD_VS_SFT, opd_vs_sft_rows),
+    "eval": (EVAL, eval_rows),
+    "stage-costs": (STAGE_COSTS, stage_cost_rows),
+    "projected": (PROJECTED, projected_rows),
+}
+
+
+def render_block(spec: str, docs: Path, root: Path = PUBLISHED) -> str:
+    kind, pattern, *option = spec.split()
+    if kind not in TABLES:
+        raise SystemExit(f"error: {docs}: unknown findings table {kind!r}; one of {sorted(TABLES)}")
+    header, rows_of = TABLES[kind]
+    reports = published(pattern, root)
+    rows = rows_of(reports, docs, option[0] if option else "")
+    if rows:
+        return _table(header, rows)
+    if reports:
+        return f"_None of the {len(reports)} reports published as `{pattern}` has such a row._\n"
+    return (
+        f"_No report published as `{pattern}` yet: `opd publish REF --as NAME`, then "
+        "`python -m lab.findings`._\n"
+    )
+
+
+def render(text: str, docs: Path = FINDINGS, root: Path = PUBLISHED) -> str:
+    """`text` with every findings table rendered anew from the reports under `root`."""
+    return BLOCK.sub(
+        lambda m: m.group(1) + render_block(m.group("spec"), docs, root) + m.group(4), text
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a file is out of date")
+    args = ap.parse_args(argv)
+    stale = []
+    for docs in DOCS:
+        text = docs.read_text()
+        new = render(text, docs)
+        if new != text:
+            stale.append(docs)
+            if not args.check:
+                docs.write_text(new)
+    if args.check and stale:
+        names = ", ".join(str(p.relative_to(REPO)) for p in stale)
+        print(f"{names}: not what the published reports give; run python -m lab.findings")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

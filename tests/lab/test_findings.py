@@ -1,0 +1,115 @@
+"""`opd publish` copies a report out of a data root; lab.findings renders the findings' tables
+from what is published, and docs/findings.md is what the published reports give."""
+
+import json
+
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+
+from lab import findings
+from lab.cli import cli
+from lab.publish import publish
+from storage import OpdError, Store
+
+HEADLINE = {
+    "tau_sft_warmup": 2.5,
+    "tau_sft_continued": 3.0,
+    "tau_sft_continued_per_seed": [2.9, 3.1],
+    "tau_opd": 3.3,
+    "tau_opd_per_seed": [3.2, 3.4],
+    "opd_over_sft_continued": 1.1,
+    "opd_over_sft_continued_per_seed": [3.2 / 2.9, 3.4 / 3.1],
+    "tau_sft_warmup_t1": 1.5,
+    "tau_sft_continued_t1": 1.6,
+    "tau_sft_continued_t1_per_seed": [1.6, 1.6],
+    "tau_opd_t1": 1.52,
+    "tau_opd_t1_per_seed": [1.5, 1.54],
+    "opd_over_sft_continued_t1": 0.95,
+    "opd_over_sft_continued_t1_per_seed": [1.5 / 1.6, 1.54 / 1.6],
+}
+
+
+def _report(store: Store):
+    """A tiny opd-vs-sft report dataset and the result JSON its experiment saved beside it."""
+    w = store.writer("experiment", stage="opd-vs-sft", stage_version="2", config={"seeds": [0, 1]})
+    with w:
+        w.write_parquet("tau.parquet", pa.table({"arm": ["opd"], "tau": [3.3]}))
+        w.write_bytes("report.md", b"# opd-vs-sft\n", fmt="markdown")
+        ds = w.commit(meta=HEADLINE)
+    saved = store.root / "_experiments" / "opd-vs-sft-x.json"
+    saved.parent.mkdir()
+    saved.write_text(json.dumps({"report": str(ds.ref), "drafter_kind": "eagle3", **HEADLINE}))
+    return ds
+
+
+def test_publish_copies_the_report_with_its_provenance(tmp_path):
+    store = Store(tmp_path / "data")
+    ds = _report(store)
+    into = tmp_path / "published"
+    dest = publish(store, str(ds.ref), "tiny-one", into=into, hardware="this test")
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "manifest.json",
+        "provenance.json",
+        "report.md",
+        "result.json",
+        "tau.parquet",
+    ]
+    prov = json.loads((dest / "provenance.json").read_text())
+    assert prov["ref"] == str(ds.ref) and prov["stage"] == "opd-vs-sft"
+    assert prov["hardware"] == "this test" and set(prov["files"]) == {
+        "manifest.json",
+        "report.md",
+        "result.json",
+        "tau.parquet",
+    }
+    assert json.loads((dest / "manifest.json").read_text())["meta"] == HEADLINE
+
+    with pytest.raises(OpdError, match="exists; pass --replace"):
+        publish(store, str(ds.ref), "tiny-one", into=into)
+    (dest / "stale.txt").write_text("from before")
+    publish(store, str(ds.ref), "tiny-one", into=into, replace=True)
+    assert not (dest / "stale.txt").exists()
+    assert sorted(p.name for p in into.iterdir()) == ["tiny-one"]  # no staging left behind
+
+
+def test_publish_refuses_what_is_not_a_report(tmp_path):
+    store = Store(tmp_path / "data")
+    w = store.writer("features", stage="features", stage_version="1", config={})
+    with w:
+        w.write_parquet("a.parquet", pa.table({"x": [1]}))
+        feats = w.commit()
+    into = tmp_path / "published"
+    with pytest.raises(OpdError, match="is a features dataset; publish a report"):
+        publish(store, str(feats.ref), "x", into=into)
+    with pytest.raises(OpdError, match="a published name is letters"):
+        publish(store, str(feats.ref), "../x", into=into)
+    assert not into.exists()
+    r = CliRunner().invoke(cli, ["--root", str(store.root), "publish", str(feats.ref), "--as", "x"])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and r.output.count("\n") == 1
+
+
+def test_a_table_is_regenerated_from_a_published_report(tmp_path):
+    store = Store(tmp_path / "data")
+    into = tmp_path / "lab" / "published"
+    publish(store, str(_report(store).ref), "tiny-one", into=into, hardware="this test")
+    docs = tmp_path / "docs" / "findings.md"
+    docs.parent.mkdir()
+    text = "# F\n\n<!-- findings: opd-vs-sft tiny-* -->\nstale\n<!-- /findings -->\nafter\n"
+    out = findings.render(text, docs, into)
+    link = "[tiny-one](../lab/published/tiny-one/report.md)"
+    assert f"| {link} | EAGLE-3 | 2 | 0 | 2.500 | 3.000 ± 0.141 | 3.300 ± 0.141 |" in out
+    assert "**1.100** (1.103, 1.097)" in out and "**0.950** (0.938, 0.963)" in out
+    assert "stale" not in out and out.endswith("<!-- /findings -->\nafter\n")
+    assert findings.render(out, docs, into) == out  # rendering again changes nothing
+    worse = text.replace("tiny-* -->", "tiny-* worse -->")
+    assert "**1.100**" not in findings.render(worse, docs, into)
+    empty = findings.render(text.replace("tiny-*", "smollm2-*"), docs, into)
+    assert "_No report published as `smollm2-*` yet" in empty
+
+
+def test_the_findings_are_what_the_published_reports_give():
+    for docs in findings.DOCS:
+        text = docs.read_text()
+        assert findings.render(text, docs) == text, f"{docs}: run python -m lab.findings"
+    assert findings.main(["--check"]) == 0
