@@ -202,6 +202,8 @@ def test_a_baseline_cache_in_the_way_costs_a_warning_not_the_evaluation(drafted,
     assert "cached" not in free and 1 <= free["tau"] <= cfg.evaluate.k + 1
     warned = [r.getMessage() for r in caplog.records if "free baseline cache" in r.getMessage()]
     assert warned and all(str(cache) in w for w in warned), warned
+
+
 def test_a_bf16_evaluation_counts_the_outputs_identical_to_plain_greedy(tmp_path):
     # the whole chain in bf16 (a drafter records the target's dtype): near-ties may flip, and
     # in 32 tokens some did here (2 of 4 prompts, top-2 gaps 0.03); the test recounts either way
