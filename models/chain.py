@@ -103,25 +103,34 @@ class TTTCache:
 
 
 def ttt_attention(q: Tensor, k: Tensor, v: Tensor, cache: TTTCache) -> Tensor:
-    """q [B, h, T, d], k/v [B, n_kv, T, d] -> [B, h, T, d]; adds this step's keys to `cache`."""
-    groups = q.shape[1] // k.shape[1]
+    """q [B, h, T, d], k/v [B, n_kv, T, d] -> [B, h, T, d]; adds this step's keys to `cache`.
+
+    Past step 0 the context keys are the cached step-0 ones, never recomputed. A query head's
+    group shares its kv head: the group's queries are stacked along the rows ([B, n_kv, g*T,
+    d]) and read the kv heads as they are, not copied once per query head; scale and causal
+    mask enter the scores' matmul itself (baddbmm)."""
+    B, h, T, d = q.shape
+    kv = k.shape[1]
     if cache.context is None:
         cache.context = (k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h > kv)
     cache.chain_keys.append(k)
     cache.chain_values.append(v)
-    T = q.shape[2]
-    scale = q.shape[-1] ** -0.5
-    ctx_k = cache.context[0].repeat_interleave(groups, dim=1)  # [B, h, T, d]
-    ctx_v = cache.context[1].repeat_interleave(groups, dim=1)
-    own_k = torch.stack(cache.chain_keys, dim=3).repeat_interleave(groups, dim=1)  # [B, h, T, k, d]
-    own_v = torch.stack(cache.chain_values, dim=3).repeat_interleave(groups, dim=1)
-    ctx_scores = (q @ ctx_k.transpose(-1, -2)) * scale  # [B, h, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    ctx_scores = ctx_scores.masked_fill(~causal, float("-inf"))
-    own_scores = (q.unsqueeze(3) * own_k).sum(-1) * scale  # [B, h, T, k]
+    g = h // kv
+    q = q.contiguous()  # rope keeps the [B, T, h, d] layout of the projection
+    ctx_k, ctx_v = cache.context  # [B, kv, T, d]
+    own_k = torch.stack(cache.chain_keys, dim=3)  # [B, kv, T, k, d]
+    own_v = torch.stack(cache.chain_values, dim=3)
+    qg = q.reshape(B * kv, g * T, d)  # head kv*g + j reads kv head kv
+    causal = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    ctx_scores = torch.baddbmm(
+        causal.repeat(g, 1), qg, ctx_k.reshape(B * kv, T, d).transpose(1, 2), alpha=d**-0.5
+    ).view(B, kv, g, T, T)
+    own_scores = (q.view(B, kv, g, T, 1, d) * own_k[:, :, None]).sum(-1) * d**-0.5  # [.., T, k]
     probs = torch.cat([ctx_scores, own_scores], dim=-1).float().softmax(-1).to(q.dtype)
-    return probs[..., :T] @ ctx_v + (probs[..., T:].unsqueeze(-1) * own_v).sum(3)
+    ctx_out = probs[..., :T].reshape(B * kv, g * T, T) @ ctx_v.reshape(B * kv, T, d)
+    own_out = (probs[..., T:, None] * own_v[:, :, None]).sum(-2)  # [B, kv, g, T, d]
+    return ctx_out.view(B, h, T, d) + own_out.view(B, h, T, d)
 
 
 class ChainAttention(nn.Module):
