@@ -128,7 +128,11 @@ def ttt_attention(q: Tensor, k: Tensor, v: Tensor, cache: TTTCache) -> Tensor:
     ).view(B, kv, g, T, T)
     own_scores = (q.view(B, kv, g, T, 1, d) * own_k[:, :, None]).sum(-1) * d**-0.5  # [.., T, k]
     probs = torch.cat([ctx_scores, own_scores], dim=-1).float().softmax(-1).to(q.dtype)
-    ctx_out = probs[..., :T].reshape(B * kv, g * T, T) @ ctx_v.reshape(B * kv, T, d)
+    # The context's values padded with zeros under the own keys' columns: the matmul reads
+    # the probabilities whole, so backward keeps the one [.., T, T + k] tensor softmax saved
+    # rather than a copy of its context columns as well.
+    padded = F.pad(ctx_v, (0, 0, 0, own_k.shape[3])).reshape(B * kv, -1, d)  # [B*kv, T+k, d]
+    ctx_out = probs.view(B * kv, g * T, -1) @ padded  # [B*kv, g*T, d]
     own_out = (probs[..., T:, None] * own_v[:, :, None]).sum(-2)  # [B, kv, g, T, d]
     return ctx_out.view(B, h, T, d) + own_out.view(B, h, T, d)
 
@@ -339,8 +343,13 @@ def ttt_acceptance(
         n = T - k - 1  # rows whose target position t+k+1 exists
         hit = torch.zeros_like(valid)
         if n > 0:
-            drafted = vocab.to_target(logits[:, :n].argmax(-1))  # [B, n]
-            hit[:, :n] = (drafted == target_choice[:, k + 1 :]) & valid[:, :n]
+            if isinstance(logits, HeadLogits):  # the head on the rows that count only
+                b, t = valid[:, :n].nonzero(as_tuple=True)
+                drafted = vocab.to_target(logits[b, t].argmax(-1))  # [N]
+                hit[b, t] = drafted == target_choice[b, t + k + 1]
+            else:
+                drafted = vocab.to_target(logits[:, :n].argmax(-1))  # [B, n]
+                hit[:, :n] = (drafted == target_choice[:, k + 1 :]) & valid[:, :n]
             if p_full is not None:
                 q = materialized(logits[:, :n]).float().softmax(-1)  # [B, n, Vd]
                 alpha = acceptance_rate(q, p_full[:, k + 1 :])  # [B, n]

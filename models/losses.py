@@ -14,6 +14,7 @@ the same value and gradients as on the materialized logits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -424,12 +425,54 @@ def sft_loss(
     """
     T = teacher.shape[1]
     spans = [max(T - k - 1, 0) for k in range(len(step_logits))]
+    if _one_head(step_logits):
+        return _fused_steps(step_logits, step_valid, teacher, spans, decay)
     return ttt_loss(
         [logits[:, :n] for logits, n in zip(step_logits, spans, strict=True)],
         [teacher[:, T - n :] for n in spans],
         [valid[:, :n] for valid, n in zip(step_valid, spans, strict=True)],
         decay,
     )
+
+
+def _one_head(step_logits: Sequence[Logits]) -> bool:
+    """Every step's logits a `HeadLogits` of the same head, read alike (EAGLE-3's, MTP's)."""
+    if not step_logits or not all(isinstance(x, HeadLogits) for x in step_logits):
+        return False
+    first = step_logits[0]
+    return all(
+        x.weight is first.weight
+        and (x.dtype, x.scale, x.chunk_elements) == (first.dtype, first.scale, first.chunk_elements)
+        for x in step_logits
+    )
+
+
+def _fused_steps(
+    step_logits: Sequence[HeadLogits],
+    step_valid: Sequence[Tensor],
+    teacher: Tensor,
+    spans: Sequence[int],
+    decay: float,
+) -> Tensor:
+    """`sft_loss` as one fused pass over every step's rows: one head-gradient buffer for the
+    whole unroll (not one a step), every step's teacher read in place at position t+k+1."""
+    T = teacher.shape[1]
+    if len(step_valid) != len(step_logits):
+        raise ValueError(
+            f"need one mask per step: got {len(step_logits)} logits, {len(step_valid)} masks"
+        )
+    hidden, items, positions, weights = [], [], [], []
+    for k, (logits, valid, n) in enumerate(zip(step_logits, step_valid, spans, strict=True)):
+        _check_mask(valid, logits.shape[:-1], "loss")
+        if logits.shape[-1] != teacher.shape[-1]:
+            raise ValueError(f"shape mismatch: {tuple(logits.shape)} vs {tuple(teacher.shape)}")
+        b, t = valid[:, :n].nonzero(as_tuple=True)  # [N_k] each
+        hidden.append(logits.hidden[b, t])  # [N_k, H]
+        items.append(b)
+        positions.append(t + T - n)
+        weights.append(torch.full((len(b),), decay**k / max(len(b), 1), device=valid.device))
+    rows = replace(step_logits[0], hidden=torch.cat(hidden))  # [sum N_k, H]
+    return head_loss(rows, teacher, (torch.cat(items), torch.cat(positions)), torch.cat(weights))
 
 
 EAGLE1_CE_WEIGHT = 0.1

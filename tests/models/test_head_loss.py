@@ -214,3 +214,19 @@ def test_every_chain_kinds_objective_has_the_unfused_gradients(
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
     assert sum(float(g.abs().sum()) for g in want.values()) > 0
+
+
+def test_acceptance_reads_a_lazy_head_as_its_logits(tiny_llama: Target):
+    drafter = _drafter(tiny_llama, "eagle3")
+    ids = torch.randint(
+        0, tiny_llama.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        out = tiny_llama(ids)
+        unrolled = drafter.unroll(Features(ids, out.aux_hidden, out.last_hidden), None, 3)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :4] = False  # a prompt: rows the acceptance does not count
+    unrolled.valid = [v & mask for v in unrolled.valid]
+    lazy = drafter.acceptance(unrolled, out.logits, chain_k=3).summary()
+    unrolled.logits = [losses.materialized(h) for h in unrolled.logits]
+    assert drafter.acceptance(unrolled, out.logits, chain_k=3).summary() == lazy
