@@ -115,9 +115,9 @@ def chunk_loss_and_grad(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk's weighted loss rows [c], and the gradient of their sum w.r.t. the scaled
     logits z [c, V] fp32 as (g [c, V], row factor [c]): g * factor[:, None]. p [c, V] the
-    teacher, fwd / rev [c] the rows' weights (module docstring). Each [c, V] pass costs
-    as much as a fifth of the head's matmul here, so the CE's gradient is built in place
-    and its row weights are left to the [c, H] side of the matmuls."""
+    teacher, fwd / rev [c] the rows' weights (module docstring). The [c, V] passes are
+    memory-bound, so the CE's gradient is built in place and its row weights are left to
+    the [c, H] side of the matmuls."""
     logq = z.log_softmax(-1)  # [c, V]
     loss = -torch.bmm(p[:, None, :], logq[:, :, None]).view(-1)  # [c]: -sum_v p log q
     if entropy:
