@@ -117,7 +117,9 @@ class BlockTraining:
     ) -> AcceptanceStats:
         return block_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
 
-    def replay_logits(self, out: BlockUnroll, item: Tensor, anchor: Tensor) -> Tensor:
+    def replay_logits(
+        self, out: BlockUnroll, item: Tensor, anchor: Tensor, *, lazy: bool = False
+    ) -> Tensor:
         return block_replay_logits(out, anchor)
 
     def rollout_ce_loss(

@@ -11,13 +11,15 @@ position j-1.
 
 An unroll's outputs are per step k: logits [B, T, Vd] (row t drafts x_{t+k+2}), valid [B, T]
 and hidden_out [B, T, H]; the teacher of step k's row t is the target's distribution at
-position t+k+1. The block drafters' counterpart is models/blocks.py.
+position t+k+1. A training unroll's logits are `HeadLogits` (the head not yet applied), which
+the losses read through the fused, chunked head of models/head_loss.py. The block drafters'
+counterpart is models/blocks.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -28,9 +30,17 @@ from models.acceptance import AcceptanceStats
 from models.chain_propose import ChainProposer, replay_chain
 from models.drafter import Proposer, Shape, TreeShape
 from models.features import Features
+from models.head_loss import HeadLogits
 from models.kv import KVCache
 from models.layers import apply_rope
-from models.losses import acceptance_rate, ce_rollout_loss, sft_loss, teacher_draft_probs
+from models.losses import (
+    Logits,
+    acceptance_rate,
+    ce_rollout_loss,
+    materialized,
+    sft_loss,
+    teacher_draft_probs,
+)
 from models.vocab import DraftVocab
 
 
@@ -58,11 +68,13 @@ class ChainNetwork(Protocol):
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
         head_at: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        lazy_head: bool = False,
+    ) -> tuple[Tensor | HeadLogits, Tensor]:
         """Draft step `step` (0: the rows that read the target's states) over input_ids [B, T],
         hidden [B, T, H], position_ids [B, T]; `attention_mask` bool [B, T, S] (S = cached keys
         + T; None: causal) -> (logits [B, T, Vd] fp32, hidden_out [B, T, H]). `head_at` [B]:
-        one row of each batch row, the only logits computed ([B, Vd])."""
+        one row of each batch row, the only logits computed ([B, Vd]). `lazy_head`: the logits
+        as a `HeadLogits` (the post-norm states and the head's weight)."""
         ...
 
 
@@ -91,25 +103,38 @@ class TTTCache:
 
 
 def ttt_attention(q: Tensor, k: Tensor, v: Tensor, cache: TTTCache) -> Tensor:
-    """q [B, h, T, d], k/v [B, n_kv, T, d] -> [B, h, T, d]; adds this step's keys to `cache`."""
-    groups = q.shape[1] // k.shape[1]
+    """q [B, h, T, d], k/v [B, n_kv, T, d] -> [B, h, T, d]; adds this step's keys to `cache`.
+
+    Past step 0 the context keys are the cached step-0 ones, never recomputed. A query head's
+    group shares its kv head: the group's queries are stacked along the rows ([B, n_kv, g*T,
+    d]) and read the kv heads as they are, not copied once per query head; scale and causal
+    mask enter the scores' matmul itself (baddbmm)."""
+    B, h, T, d = q.shape
+    kv = k.shape[1]
     if cache.context is None:
         cache.context = (k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h > kv)
     cache.chain_keys.append(k)
     cache.chain_values.append(v)
-    T = q.shape[2]
-    scale = q.shape[-1] ** -0.5
-    ctx_k = cache.context[0].repeat_interleave(groups, dim=1)  # [B, h, T, d]
-    ctx_v = cache.context[1].repeat_interleave(groups, dim=1)
-    own_k = torch.stack(cache.chain_keys, dim=3).repeat_interleave(groups, dim=1)  # [B, h, T, k, d]
-    own_v = torch.stack(cache.chain_values, dim=3).repeat_interleave(groups, dim=1)
-    ctx_scores = (q @ ctx_k.transpose(-1, -2)) * scale  # [B, h, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    ctx_scores = ctx_scores.masked_fill(~causal, float("-inf"))
-    own_scores = (q.unsqueeze(3) * own_k).sum(-1) * scale  # [B, h, T, k]
+    g = h // kv
+    q = q.contiguous()  # rope keeps the [B, T, h, d] layout of the projection
+    ctx_k, ctx_v = cache.context  # [B, kv, T, d]
+    own_k = torch.stack(cache.chain_keys, dim=3)  # [B, kv, T, k, d]
+    own_v = torch.stack(cache.chain_values, dim=3)
+    qg = q.reshape(B * kv, g * T, d)  # head kv*g + j reads kv head kv
+    causal = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    ctx_scores = torch.baddbmm(
+        causal.repeat(g, 1), qg, ctx_k.reshape(B * kv, T, d).transpose(1, 2), alpha=d**-0.5
+    ).view(B, kv, g, T, T)
+    own_scores = (q.view(B, kv, g, T, 1, d) * own_k[:, :, None]).sum(-1) * d**-0.5  # [.., T, k]
     probs = torch.cat([ctx_scores, own_scores], dim=-1).float().softmax(-1).to(q.dtype)
-    return probs[..., :T] @ ctx_v + (probs[..., T:].unsqueeze(-1) * own_v).sum(3)
+    # The context's values padded with zeros under the own keys' columns: the matmul reads
+    # the probabilities whole, so backward keeps the one [.., T, T + k] tensor softmax saved
+    # rather than a copy of its context columns as well.
+    padded = F.pad(ctx_v, (0, 0, 0, own_k.shape[3])).reshape(B * kv, -1, d)  # [B*kv, T+k, d]
+    ctx_out = probs.view(B * kv, g * T, -1) @ padded  # [B*kv, g*T, d]
+    own_out = (probs[..., T:, None] * own_v[:, :, None]).sum(-2)  # [B, kv, g, T, d]
+    return ctx_out.view(B, h, T, d) + own_out.view(B, h, T, d)
 
 
 class ChainAttention(nn.Module):
@@ -165,7 +190,7 @@ class ChainAttention(nn.Module):
 class TTTStep:
     """One unrolled step k: row t predicts x_{t+k+2}; its teacher is the target at position t+k+1."""
 
-    logits: Tensor  # [B, T, Vd] fp32
+    logits: Logits  # [B, T, Vd] fp32, or its `HeadLogits`
     valid: Tensor  # [B, T] bool
     hidden_out: Tensor  # [B, T, H]
 
@@ -178,6 +203,7 @@ def ttt_unroll(
     steps: int = 7,
     step_tokens: Sequence[Tensor | None] | None = None,
     loss_mask: Tensor | None = None,
+    lazy_head: bool = False,
 ) -> list[TTTStep]:
     """Training-time test: run the network `steps` times over every row, feeding back its own hidden.
 
@@ -186,7 +212,8 @@ def ttt_unroll(
     of row t and token `step_tokens[k][:, t]` if given (drafter-sampled, OPD) else ground truth
     x_{t+k+1} (SFT). `step_tokens[0]` must be None: step 0 always reads the committed token.
     Row t at step k is valid iff x_{t+k+2} exists and, when `loss_mask` [B, T] is given, it is set there.
-    Teachers align with `shift_left(teacher, k + 1)`.
+    Teachers align with `shift_left(teacher, k + 1)`. `lazy_head`: each step's logits as a
+    `HeadLogits`, for the fused loss.
     """
     if input_ids.dim() != 2 or states.shape[:2] != input_ids.shape:
         raise ValueError(
@@ -219,7 +246,9 @@ def ttt_unroll(
     for k in range(steps):
         given = step_tokens[k] if step_tokens is not None else None
         tokens = given if given is not None else shift_left(input_ids, k + 1)
-        logits, hidden = network.chain_step(k, tokens, hidden, positions + k, cache=cache)
+        logits, hidden = network.chain_step(
+            k, tokens, hidden, positions + k, cache=cache, lazy_head=lazy_head
+        )
         out.append(
             TTTStep(logits=logits, valid=shift_left(keep, k + 2, fill=False), hidden_out=hidden)
         )
@@ -230,7 +259,7 @@ def ttt_unroll(
 class Unrolled:
     """One unroll's per-step outputs (module docstring)."""
 
-    logits: list[Tensor]  # [K] of [B, T, Vd]
+    logits: list[Logits]  # [K] of [B, T, Vd]: `HeadLogits` from `chain_unroll`
     valid: list[Tensor]  # [K] of [B, T] bool
     hidden: list[Tensor]  # [K] of [B, T, H]
 
@@ -244,7 +273,8 @@ def chain_unroll(
 ) -> Unrolled:
     """`ttt_unroll` over every row; with replays (item [N], anchor [N], tokens [N, K]) the row
     e-2 of each anchor e reads the replayed drafts at steps >= 1 instead of ground truth, so
-    that row is exactly the chain the decoder drafted from the prefix y<e."""
+    that row is exactly the chain the decoder drafted from the prefix y<e. Its logits are
+    `HeadLogits`: the losses compute them a chunk at a time (models/head_loss.py)."""
     input_ids = features.ids
     step_tokens = None
     if replays is not None:
@@ -262,14 +292,21 @@ def chain_unroll(
         steps=steps,
         step_tokens=step_tokens,
         loss_mask=loss_mask,
+        lazy_head=True,
     )
     return Unrolled([s.logits for s in out], [s.valid for s in out], [s.hidden_out for s in out])
 
 
-def replay_logits(out: Unrolled, item: Tensor, anchor: Tensor) -> Tensor:
-    """The drafter's logits along each replay: step k at (item, anchor row) -> [N, K, Vd]."""
+def replay_logits(out: Unrolled, item: Tensor, anchor: Tensor) -> Logits:
+    """The drafter's logits along each replay: step k at (item, anchor row) -> [N, K, Vd]
+    (a `HeadLogits` when the unroll's are and every step shares one head, as EAGLE-3's and
+    MTP's do)."""
     row = anchor - 2
-    return torch.stack([logits[item, row] for logits in out.logits], dim=1)
+    heads = out.logits
+    if all(isinstance(h, HeadLogits) for h in heads) and len({id(h.weight) for h in heads}) == 1:
+        rows = torch.stack([h.hidden[item, row] for h in heads], dim=1)  # [N, K, H]
+        return replace(heads[0], hidden=rows)
+    return torch.stack([materialized(logits[item, row]) for logits in heads], dim=1)
 
 
 def rollout_ce_loss(
@@ -306,10 +343,15 @@ def ttt_acceptance(
         n = T - k - 1  # rows whose target position t+k+1 exists
         hit = torch.zeros_like(valid)
         if n > 0:
-            drafted = vocab.to_target(logits[:, :n].argmax(-1))  # [B, n]
-            hit[:, :n] = (drafted == target_choice[:, k + 1 :]) & valid[:, :n]
+            if isinstance(logits, HeadLogits):  # the head on the rows that count only
+                b, t = valid[:, :n].nonzero(as_tuple=True)
+                drafted = vocab.to_target(logits[b, t].argmax(-1))  # [N]
+                hit[b, t] = drafted == target_choice[b, t + k + 1]
+            else:
+                drafted = vocab.to_target(logits[:, :n].argmax(-1))  # [B, n]
+                hit[:, :n] = (drafted == target_choice[:, k + 1 :]) & valid[:, :n]
             if p_full is not None:
-                q = logits[:, :n].float().softmax(-1)  # [B, n, Vd]
+                q = materialized(logits[:, :n]).float().softmax(-1)  # [B, n, Vd]
                 alpha = acceptance_rate(q, p_full[:, k + 1 :])  # [B, n]
                 stats.alpha_sum[k] = alpha[valid[:, :n]].double().sum()
         stats.hits[k] = hit.sum()
@@ -359,8 +401,11 @@ class ChainDrafter:
     ) -> AcceptanceStats:
         return ttt_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
 
-    def replay_logits(self, out: Unrolled, item: Tensor, anchor: Tensor) -> Tensor:
-        return replay_logits(out, item, anchor)
+    def replay_logits(
+        self, out: Unrolled, item: Tensor, anchor: Tensor, *, lazy: bool = False
+    ) -> Logits:
+        logits = replay_logits(out, item, anchor)
+        return logits if lazy else materialized(logits)
 
     def rollout_ce_loss(
         self, out: Unrolled, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float

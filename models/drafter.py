@@ -316,8 +316,9 @@ class TrainableDrafter(Drafter):
         offsets); target_logits [B, T, V] at every position."""
 
     @abstractmethod
-    def replay_logits(self, out: Any, item: Tensor, anchor: Tensor) -> Tensor:
-        """The drafter's logits [N, K, Vd] along each replay of an unroll given replays."""
+    def replay_logits(self, out: Any, item: Tensor, anchor: Tensor, *, lazy: bool = False) -> Any:
+        """The drafter's logits [N, K, Vd] along each replay of an unroll given replays; with
+        `lazy` they may be a `models.head_loss.HeadLogits` (the losses' fused head reads them)."""
 
     @abstractmethod
     def rollout_ce_loss(

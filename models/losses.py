@@ -4,17 +4,24 @@ Conventions: q is the drafter's distribution over the draft vocab [.., Vd], p th
 Masks are bool [B, T] (True = this position counts). Masked positions are dropped before any
 arithmetic, so whatever they hold (even NaN) changes neither the value nor the gradient. Scalar
 losses are means over the unmasked positions; with none, the result is a graph-connected 0.
+
+Draft logits may be a `models.head_loss.HeadLogits` (a head not yet applied to its hidden
+states) wherever the soft CE, the forward / reverse KL or Draft-OPD's losses read them: the
+loss is then the fused, chunked `head_loss`, which never builds the [rows, Vd] logits whole;
+the same value and gradients as on the materialized logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.head_loss import HeadLogits, head_loss
 from models.teacher import TeacherLogits
 from models.vocab import DraftVocab
 
@@ -122,14 +129,48 @@ def _mean_rows(per_row: Tensor) -> Tensor:
     return per_row.sum() / max(per_row.numel(), 1)
 
 
-def soft_cross_entropy(draft_logits: Tensor, teacher_probs: Tensor, mask: Tensor) -> Tensor:
+Logits = Tensor | HeadLogits
+
+
+def _head_rows(
+    mask: Tensor, logits: HeadLogits, teacher: Tensor
+) -> tuple[HeadLogits, tuple[Tensor, ...]]:
+    """The masked-in rows of a head [N, H] and their index into `teacher` (same leading shape)."""
+    _check_mask(mask, logits.shape[:-1], "loss")
+    if teacher.shape != logits.shape:
+        raise ValueError(f"shape mismatch: {tuple(logits.shape)} vs {tuple(teacher.shape)}")
+    index = mask.nonzero(as_tuple=True)
+    return logits[index], index
+
+
+def _fused_mean(
+    logits: HeadLogits, teacher: Tensor, mask: Tensor, *, forward: bool, entropy: bool = False
+) -> Tensor:
+    """Mean over masked-in rows of the soft CE (forward KL with `entropy`), or of the reverse KL."""
+    rows, index = _head_rows(mask, logits, teacher)
+    n = len(index[0])
+    weight = torch.full((n,), 1 / max(n, 1), device=mask.device)  # [N]
+    zero = torch.zeros_like(weight)
+    if forward:
+        return head_loss(rows, teacher, index, weight, entropy=entropy)
+    return head_loss(rows, teacher, index, zero, weight)
+
+
+def soft_cross_entropy(draft_logits: Logits, teacher_probs: Tensor, mask: Tensor) -> Tensor:
     """Mean over masked-in rows of -sum_v p_v log q_v. draft_logits, teacher_probs [B, T, Vd]; mask [B, T]."""
+    if isinstance(draft_logits, HeadLogits):
+        return _fused_mean(draft_logits, teacher_probs, mask, forward=True)
     logits, p = _rows(mask, draft_logits, teacher_probs)  # [N, Vd]
     return _mean_rows(-(p * _at_least_fp32(logits).log_softmax(-1)).sum(-1))
 
 
+def materialized(logits: Logits) -> Tensor:
+    """Logits as a tensor: a `HeadLogits` computed whole (the unfused path), a tensor as is."""
+    return logits.materialize() if isinstance(logits, HeadLogits) else logits
+
+
 def ttt_loss(
-    step_logits: Sequence[Tensor],
+    step_logits: Sequence[Logits],
     step_teachers: Sequence[Tensor],
     step_masks: Sequence[Tensor],
     decay: float = 0.8,
@@ -160,15 +201,19 @@ def _reverse_kl_rows(logits: Tensor, p: Tensor) -> Tensor:
     return (logq.exp() * (logq - logp)).sum(-1)
 
 
-def forward_kl(draft_logits: Tensor, teacher_probs: Tensor, mask: Tensor) -> Tensor:
+def forward_kl(draft_logits: Logits, teacher_probs: Tensor, mask: Tensor) -> Tensor:
     """Mean KL(p || q) over masked-in rows (mass-covering; = soft CE minus the teacher's entropy)."""
+    if isinstance(draft_logits, HeadLogits):
+        return _fused_mean(draft_logits, teacher_probs, mask, forward=True, entropy=True)
     logits, p = _rows(mask, draft_logits, teacher_probs)
     return _mean_rows(_forward_kl_rows(logits, p))
 
 
-def reverse_kl(draft_logits: Tensor, teacher_probs: Tensor, mask: Tensor) -> Tensor:
+def reverse_kl(draft_logits: Logits, teacher_probs: Tensor, mask: Tensor) -> Tensor:
     """Exact mean KL(q || p) over the draft vocab (mode-seeking). p must be normalised on the draft
     vocab (teacher_draft_probs with renormalize=True) and temperature > 0, else the KL is infinite."""
+    if isinstance(draft_logits, HeadLogits):
+        return _fused_mean(draft_logits, teacher_probs, mask, forward=False)
     logits, p = _rows(mask, draft_logits, teacher_probs)
     return _mean_rows(_reverse_kl_rows(logits, p))
 
@@ -222,8 +267,27 @@ def total_variation(q_full: Tensor, p_full: Tensor) -> Tensor:
     return 1 - acceptance_rate(q_full, p_full)
 
 
+def _fused_opd(
+    logits: HeadLogits,
+    teacher: Tensor,
+    mask: Tensor,
+    fitted: Tensor,
+    rejected: Tensor,
+    weights: Tensor,
+    lambda_accept: float,
+    lambda_reject: float,
+) -> Tensor:
+    """One fused pass of Draft-OPD's sum over masked-in rows: forward KL on `fitted`, the
+    `weights`-decayed reverse KL on `rejected` (all [B, K]), over the masked-in count."""
+    rows, index = _head_rows(mask, logits, teacher)
+    denom = max(int(mask.sum()), 1)
+    fwd = lambda_accept * fitted[index].float() / denom  # [N]
+    rev = lambda_reject * (weights[index] * rejected[index].float()) / denom  # [N]
+    return head_loss(rows, teacher, index, fwd, rev, entropy=True)
+
+
 def draft_opd_loss(
-    draft_logits: Tensor,
+    draft_logits: Logits,
     teacher_probs: Tensor,
     accepted: Tensor,
     mask: Tensor,
@@ -254,6 +318,17 @@ def draft_opd_loss(
     weights = weights.expand(mask.shape)
     # [B, K] the accepted drafts, and with fit_boundary the first rejected one as well
     fitted = accepted | _on_path(accepted)[0] if fit_boundary else accepted
+    if isinstance(draft_logits, HeadLogits):
+        return _fused_opd(
+            draft_logits,
+            teacher_probs,
+            mask,
+            fitted,
+            ~accepted,
+            weights,
+            lambda_accept,
+            lambda_reject,
+        )
     fkl_rows = _forward_kl_rows(*_rows(mask & fitted, draft_logits, teacher_probs))
     rkl_rows = _reverse_kl_rows(*_rows(mask & ~accepted, draft_logits, teacher_probs))
     total = (
@@ -273,7 +348,7 @@ def _on_path(accepted: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def block_opd_loss(
-    draft_logits: Tensor,
+    draft_logits: Logits,
     teacher_probs: Tensor,
     accepted: Tensor,
     mask: Tensor,
@@ -302,6 +377,10 @@ def block_opd_loss(
     rejected = ~all_before  # [B, K] the boundary and every slot after it
     weights = gamma ** torch.arange(K, device=draft_logits.device, dtype=torch.float32)
     weights = weights.expand(mask.shape)  # [B, K]
+    if isinstance(draft_logits, HeadLogits):
+        return _fused_opd(
+            draft_logits, teacher, mask, on_path, rejected, weights, lambda_accept, lambda_reject
+        )
     fkl_rows = _forward_kl_rows(*_rows(mask & on_path, draft_logits, teacher))
     rkl_rows = _reverse_kl_rows(*_rows(mask & rejected, draft_logits, teacher))
     total = (
@@ -335,7 +414,7 @@ def tau_from_alphas(alphas: Tensor, mask: Tensor | None = None) -> Tensor:
 
 
 def sft_loss(
-    step_logits: Sequence[Tensor], step_valid: Sequence[Tensor], teacher: Tensor, decay: float
+    step_logits: Sequence[Logits], step_valid: Sequence[Tensor], teacher: Tensor, decay: float
 ) -> Tensor:
     """EAGLE-3 TTT soft-CE on teacher-forced rows: step k's row t is scored against the teacher
     at position t+k+1.
@@ -346,12 +425,54 @@ def sft_loss(
     """
     T = teacher.shape[1]
     spans = [max(T - k - 1, 0) for k in range(len(step_logits))]
+    if _one_head(step_logits):
+        return _fused_steps(step_logits, step_valid, teacher, spans, decay)
     return ttt_loss(
         [logits[:, :n] for logits, n in zip(step_logits, spans, strict=True)],
         [teacher[:, T - n :] for n in spans],
         [valid[:, :n] for valid, n in zip(step_valid, spans, strict=True)],
         decay,
     )
+
+
+def _one_head(step_logits: Sequence[Logits]) -> bool:
+    """Every step's logits a `HeadLogits` of the same head, read alike (EAGLE-3's, MTP's)."""
+    if not step_logits or not all(isinstance(x, HeadLogits) for x in step_logits):
+        return False
+    first = step_logits[0]
+    return all(
+        x.weight is first.weight
+        and (x.dtype, x.scale, x.chunk_elements) == (first.dtype, first.scale, first.chunk_elements)
+        for x in step_logits
+    )
+
+
+def _fused_steps(
+    step_logits: Sequence[HeadLogits],
+    step_valid: Sequence[Tensor],
+    teacher: Tensor,
+    spans: Sequence[int],
+    decay: float,
+) -> Tensor:
+    """`sft_loss` as one fused pass over every step's rows: one head-gradient buffer for the
+    whole unroll (not one a step), every step's teacher read in place at position t+k+1."""
+    T = teacher.shape[1]
+    if len(step_valid) != len(step_logits):
+        raise ValueError(
+            f"need one mask per step: got {len(step_logits)} logits, {len(step_valid)} masks"
+        )
+    hidden, items, positions, weights = [], [], [], []
+    for k, (logits, valid, n) in enumerate(zip(step_logits, step_valid, spans, strict=True)):
+        _check_mask(valid, logits.shape[:-1], "loss")
+        if logits.shape[-1] != teacher.shape[-1]:
+            raise ValueError(f"shape mismatch: {tuple(logits.shape)} vs {tuple(teacher.shape)}")
+        b, t = valid[:, :n].nonzero(as_tuple=True)  # [N_k] each
+        hidden.append(logits.hidden[b, t])  # [N_k, H]
+        items.append(b)
+        positions.append(t + T - n)
+        weights.append(torch.full((len(b),), decay**k / max(len(b), 1), device=valid.device))
+    rows = replace(step_logits[0], hidden=torch.cat(hidden))  # [sum N_k, H]
+    return head_loss(rows, teacher, (torch.cat(items), torch.cat(positions)), torch.cat(weights))
 
 
 EAGLE1_CE_WEIGHT = 0.1
@@ -372,7 +493,7 @@ def feature_regression(pred_hidden: Tensor, target_hidden: Tensor, mask: Tensor)
 
 
 def eagle1_loss(
-    logits: Tensor,
+    logits: Logits,
     hidden_out: Tensor,
     valid: Tensor,
     teacher: Tensor,
@@ -400,7 +521,7 @@ def eagle1_loss(
 
 
 def ce_rollout_loss(
-    step_logits: Sequence[Tensor],
+    step_logits: Sequence[Logits],
     step_valid: Sequence[Tensor],
     teacher: Tensor,
     anchor_rows: Tensor,
@@ -420,7 +541,7 @@ ReplayLoss = Literal["draft_opd", "reverse_kl_k1", "reverse_kl_k3", "tv", "expec
 
 def replay_loss(
     loss: ReplayLoss,
-    logits: Tensor,
+    logits: Logits,
     target_logits: Tensor,
     tokens: Tensor,
     accepted: Tensor,
@@ -443,6 +564,8 @@ def replay_loss(
     form (`block_opd_loss`); callers refuse what `block_loss_error` names before any work.
     """
     scaled = logits / temperature
+    if loss != "draft_opd":  # the replays' few rows: these losses read q whole
+        scaled = materialized(scaled)
     if loss == "draft_opd":
         teacher = teacher_draft_probs(target_logits, vocab, temperature)
         weights = {"gamma": gamma, "lambda_accept": lambda_accept, "lambda_reject": lambda_reject}

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from models.chain import ChainAttention, TTTCache
 from models.features import Features
+from models.head_loss import HeadLogits
 from models.kv import KVCache
 from models.layers import (
     SUPPORTED_ROPE_TYPES,
@@ -241,7 +242,8 @@ class Eagle3Model(nn.Module):
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
         head_at: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        lazy_head: bool = False,
+    ) -> tuple[Tensor | HeadLogits, Tensor]:
         """Every step is the one layer's forward."""
         return self(
             input_ids,
@@ -250,6 +252,7 @@ class Eagle3Model(nn.Module):
             attention_mask=attention_mask,
             cache=cache,
             head_at=head_at,
+            lazy_head=lazy_head,
         )
 
     def forward(
@@ -261,11 +264,13 @@ class Eagle3Model(nn.Module):
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
         head_at: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        lazy_head: bool = False,
+    ) -> tuple[Tensor | HeadLogits, Tensor]:
         """Returns (logits [B, T, Vd] fp32, hidden_out [B, T, H] before the final norm).
 
         `attention_mask`: bool [B, T, S], True = may attend, S = cached keys + T; None = causal.
         `head_at` [B]: one row of each batch row, where alone the logits are computed ([B, Vd]).
+        `lazy_head`: the logits as a `HeadLogits`, for a fused loss to compute a chunk at a time.
         """
         self._check_inputs(input_ids, hidden, position_ids, attention_mask, cache)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
@@ -274,6 +279,8 @@ class Eagle3Model(nn.Module):
         read = hidden_out
         if head_at is not None:  # one row of each batch row: [B, H]
             read = hidden_out[torch.arange(len(head_at), device=head_at.device), head_at]
+        if lazy_head:
+            return HeadLogits.of(self.norm(read), self.lm_head.weight), hidden_out
         logits = self.lm_head(self.norm(read)).float()  # [B, T, Vd], or [B, Vd] at head_at
         return logits, hidden_out
 

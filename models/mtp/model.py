@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from models.chain import ChainAttention, TTTCache
 from models.features import Features
+from models.head_loss import HeadLogits
 from models.kv import KVCache
 from models.layers import (
     SUPPORTED_ROPE_TYPES,
@@ -213,9 +214,11 @@ class MTPModel(nn.Module):
         attention_mask: Tensor | None = None,
         cache: KVCache | TTTCache | None = None,
         head_at: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        lazy_head: bool = False,
+    ) -> tuple[Tensor | HeadLogits, Tensor]:
         """Module step+1, or the last one past D: (logits [B, T, V] fp32, hidden_out [B, T, H]);
-        with `head_at` [B] (one row of each batch row) the logits there only, [B, V]."""
+        with `head_at` [B] (one row of each batch row) the logits there only, [B, V]; with
+        `lazy_head` as a `HeadLogits`, for a fused loss to compute a chunk at a time."""
         module = self.layers[min(step, len(self.layers) - 1)]
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, d]
@@ -223,4 +226,6 @@ class MTPModel(nn.Module):
         read = hidden_out
         if head_at is not None:  # one row of each batch row: [B, H]
             read = hidden_out[torch.arange(len(head_at), device=head_at.device), head_at]
+        if lazy_head:
+            return HeadLogits.of(module.norm(read), self.lm_head.weight), hidden_out
         return self.lm_head(module.norm(read)).float(), hidden_out

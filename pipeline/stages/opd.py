@@ -494,7 +494,7 @@ def replay_step(
         unrolls.append((validation.features_of(fb), fb["loss_mask"], None, cfg.ce_ttt_steps))
     with autocast(device, cfg.bf16):
         outs = model(*unrolls)
-    logits = drafter.replay_logits(outs[0], b.item, b.anchor)  # [N, K, Vd]
+    logits = drafter.replay_logits(outs[0], b.item, b.anchor, lazy=True)  # [N, K, Vd]
     loss = _replay_loss(cfg, logits, target_logits, b.tokens, accepted, mask, drafter)
     tokens, row_steps = int(batch.lengths.sum()), batch.row_steps
     if cfg.ce_lambda > 0 and cfg.ce_source == "rollouts":

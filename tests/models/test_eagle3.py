@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from models.chain import Unrolled, shift_left, ttt_acceptance, ttt_unroll
+from models.chain import TTTCache, Unrolled, shift_left, ttt_acceptance, ttt_attention, ttt_unroll
 from models.drafters import load_drafter, save_drafter
 from models.eagle3.drafter import Eagle3Drafter
 from models.eagle3.model import Eagle3Config
@@ -601,3 +601,34 @@ def test_perfect_drafter_reaches_tau_k_plus_one():
     assert s["acc"] == [1.0] * K
     assert s["tau_sim"] == pytest.approx(4.0) and s["tau_chain"] == pytest.approx(4.0)
     assert s["tau_expected"] == pytest.approx(4.0, abs=1e-3)
+
+
+def test_ttt_attention_is_attention_over_the_context_and_the_rows_own_chain():
+    """Each unrolled step's query at row t attends to the cached step-0 keys at rows <= t and to
+    row t's own keys of steps 1..k: the same as attention over those keys written out whole
+    (a dense mask), in value and in gradient, with grouped kv heads and a strided q."""
+    B, h, kv, T, d, steps = 2, 6, 2, 5, 8, 4
+    g = torch.Generator().manual_seed(0)
+    qs = [torch.randn(B, T, h, d, generator=g).transpose(1, 2) for _ in range(steps)]
+    ks = [torch.randn(B, kv, T, d, generator=g) for _ in range(steps)]
+    vs = [torch.randn(B, kv, T, d, generator=g) for _ in range(steps)]
+    for x in qs + ks + vs:
+        x.requires_grad_(True)
+    cache = TTTCache()
+    got = [ttt_attention(q, k, v, cache) for q, k, v in zip(qs, ks, vs, strict=True)]
+    want = []
+    for s in range(steps):
+        keys = torch.cat(ks[: s + 1], dim=2).repeat_interleave(h // kv, dim=1)  # [B, h, T*(s+1), d]
+        values = torch.cat(vs[: s + 1], dim=2).repeat_interleave(h // kv, dim=1)
+        rows = torch.arange(T)
+        mask = torch.zeros(T, T * (s + 1), dtype=torch.bool)
+        mask[:, :T] = rows[None] <= rows[:, None]  # step 0: causal over the context
+        for j in range(1, s + 1):
+            mask[rows, j * T + rows] = True  # step j: the row's own key only
+        want.append(F.scaled_dot_product_attention(qs[s], keys, values, attn_mask=mask))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    grads_got = torch.autograd.grad(sum((o * o).sum() for o in got), qs + ks + vs)
+    grads_want = torch.autograd.grad(sum((o * o).sum() for o in want), qs + ks + vs)
+    for a, b in zip(grads_got, grads_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
