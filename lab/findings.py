@@ -10,6 +10,8 @@ the glob PATTERN, so the numbers there are never typed. KIND is one of:
 - `stage-costs`: a `bench_scale_shape` run: every stage's rate, memory and bytes a token
   (option `round1`: the first Draft-OPD round's stages only);
 - `projected`: the speed-up the same run's step costs project at the embedded target's τ.
+- `sft-curve`: SFT's held-out τ against the generated training tokens it read (a JSON whose
+  `points` are one SFT run each: `lab/gpu/smollm2_scale.py`'s record, with token counts).
 
     python -m lab.findings            # rewrite docs/findings.md and README.md's tables
     python -m lab.findings --check    # exit 1 when they are not what the published reports give
@@ -214,11 +216,40 @@ PROJECTED = (  # the table's header
     "projected speed-up | hardware"
 ).split(" | ")
 
+
+def sft_curve_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
+    rows = []
+    for r in reports:
+        for p in sorted(r.result.get("points", []), key=lambda p: p["generated_tokens"]):
+            rows.append(
+                [
+                    r.link(docs),
+                    f"{p['share']:g}",
+                    f"{p['train_sequences']:,}",
+                    f"{p['generated_tokens'] / 1e6:.2f}M",
+                    str(p["steps"]),
+                    f"{p['epochs']:.1f}",
+                    f"{p['acc'][0]:.3f}",
+                    f"**{p['tau_sim']:.3f}**",
+                    f"{p['tau_chain']:.3f}",
+                    r.hardware,
+                ]
+            )
+    return rows
+
+
+SFT_CURVE = (  # the table's header
+    "report | data share | training requests | generated tokens | steps | epochs | "
+    "held-out first-draft agreement | held-out τ_sim (K=6) | τ_chain | hardware"
+).split(" | ")
+
+
 TABLES: dict[str, tuple[list[str], Callable[[list[Published], Path, str], list[list[str]]]]] = {
     "opd-vs-sft": (OPD_VS_SFT, opd_vs_sft_rows),
     "eval": (EVAL, eval_rows),
     "stage-costs": (STAGE_COSTS, stage_cost_rows),
     "projected": (PROJECTED, projected_rows),
+    "sft-curve": (SFT_CURVE, sft_curve_rows),
 }
 
 

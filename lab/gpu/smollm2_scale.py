@@ -54,6 +54,32 @@ def summary_of(root: Path, ref: str) -> dict:
     return {k: manifest[k] for k in ("version", "rows", "bytes")} | manifest["meta"]
 
 
+def curve_points(root: Path, runs: dict[str, dict]) -> list[dict]:
+    """One point per finished SFT run: its share's training requests and the generated tokens
+    they hold (the same nested split the sft stage draws), and its last held-out validation."""
+    import polars as pl
+
+    from pipeline.core import training
+
+    traj = pl.read_parquet(sorted((root / "trajectories").glob("*/part-*.parquet")))
+    keys = traj["seq_id"].to_list()
+    generated = traj.select(pl.col("loss_mask").list.sum()).to_series().to_list()
+    train, _ = training.holdout_split(keys, 0.05, 0)  # sft's val_share and seed defaults
+    points = []
+    for share, run in runs.items():
+        if "skipped" in run:
+            continue
+        rows = train if float(share) == 1 else training.nested_subset(keys, train, float(share), 0)
+        val = run["validation"]
+        points.append(
+            {"share": float(share), "sft": f"sft@{run['version']}", "train_sequences": len(rows)}
+            | {"generated_tokens": sum(generated[i] for i in rows), "steps": run["steps"]}
+            | {"epochs": run["epochs"], "acc": val["acc"], "tau_sim": val["tau_sim"]}
+            | {"tau_chain": val["tau_chain"], "seconds": run["seconds_this_run"]}
+        )
+    return points
+
+
 def pack(root: Path, out: Path, sft_full: str, record: dict) -> list[Path]:
     """The datasets to keep, as one tar split into parts; only the full run's weights travel."""
     out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +136,9 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.monotonic()
     left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
-    record: dict = {"args": vars(args) | {"root": str(args.root), "out": str(args.out)}}
+    record: dict = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    }
     timings = record.setdefault("seconds", {})
 
     def stage(name: str, *extra: str) -> None:
@@ -178,6 +206,7 @@ def main() -> None:
             "--set", f"sft.train_share={share}",
         )  # fmt: skip
         record["sft"][str(share)] = summary_of(args.root, "sft@latest")
+    record["points"] = curve_points(args.root, record["sft"])
     record["seconds"]["total"] = round(time.monotonic() - t0, 1)
     parts = pack(args.root, args.out, full["version"], record)
     print(json.dumps({"parts": [p.name for p in parts], "record": record}, indent=1))

@@ -113,3 +113,25 @@ def test_the_findings_are_what_the_published_reports_give():
         text = docs.read_text()
         assert findings.render(text, docs) == text, f"{docs}: run python -m lab.findings"
     assert findings.main(["--check"]) == 0
+
+
+def test_the_sft_curve_is_rendered_from_a_published_record_in_token_order(tmp_path):
+    point = dict(train_sequences=10, steps=3, epochs=3.0, acc=[0.5], tau_chain=2.0)
+    record = {
+        "points": [
+            point | {"share": 1.0, "generated_tokens": 1_262_356, "tau_sim": 1.934},
+            point | {"share": 0.1, "generated_tokens": 128_378, "tau_sim": 1.26},
+        ]
+    }
+    saved = tmp_path / "curve.json"
+    saved.write_text(json.dumps(record))
+    into = tmp_path / "lab" / "published"
+    publish(Store(tmp_path / "data"), str(saved), "smollm2-curve", into=into, hardware="H200")
+    docs = tmp_path / "docs" / "findings.md"
+    docs.parent.mkdir()
+    out = findings.render(
+        "<!-- findings: sft-curve smollm2-* -->\n<!-- /findings -->\n", docs, into
+    )
+    rows = [line for line in out.splitlines() if line.startswith("| [smollm2-curve]")]
+    assert [r.split(" | ")[3] for r in rows] == ["0.13M", "1.26M"]
+    assert "**1.260**" in rows[0] and "**1.934**" in rows[1] and rows[1].endswith("| H200 |")
