@@ -190,7 +190,8 @@ def _run(
         bad += [r for r in roles if step.stage.input_kinds(r) is None]
         if bad:
             raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {known}")
-        wanted = [*step.stage.inputs, *(r for r in roles if r not in step.stage.inputs)]
+        required = step.stage.required_roles(step.cfg)
+        wanted = [*required, *(r for r in roles if r not in required)]
         external = {
             role: store.open(roles.get(role) or step.stage.default_ref(role)) for role in wanted
         }

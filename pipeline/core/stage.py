@@ -72,6 +72,9 @@ class Stage:
     version_config: Callable[[Any], dict] | None = None
     """The config as the version records it, where that is not `version_dict(cfg)`: e.g. input
     files by name when `version_extra` already hashes their content."""
+    unread_inputs: Callable[[Any], tuple[str, ...]] | None = None
+    """unread_inputs(cfg): required roles this config does not read (generate with a `source`
+    file reads no prompts); they are then neither required nor accepted."""
     engine: Callable[[Any, Any], str | None] | None = None
     """engine(cfg, ctx): what a `backend: auto` setting resolves to on this machine; it is
     hashed into the version, since different engines write different (equally valid) tokens."""
@@ -89,11 +92,22 @@ class Stage:
     def default_ref(self, role: str) -> str:
         return self.default_inputs.get(role) or f"{self.input_kinds(role)[0]}@latest"
 
-    def check_inputs(self, inputs: Mapping[str, Dataset]) -> None:
+    def required_roles(self, cfg: Any = None) -> list[str]:
+        """The roles `cfg` makes this stage read (all of `inputs` unless `unread_inputs`)."""
+        unread = self.unread_inputs(cfg) if self.unread_inputs and cfg is not None else ()
+        return [r for r in self.inputs if r not in unread]
+
+    def check_inputs(self, inputs: Mapping[str, Dataset], cfg: Any = None) -> None:
         """Every required role is given, and every given dataset is a kind its role reads."""
-        missing = sorted(set(self.inputs) - set(inputs))
+        required = self.required_roles(cfg)
+        missing = sorted(set(required) - set(inputs))
         if missing:
             raise OpdError(f"stage {self.name} needs inputs {missing}")
+        if unread := sorted((set(self.inputs) - set(required)) & set(inputs)):
+            raise OpdError(
+                f"stage {self.name} does not read {unread} with this config (e.g. "
+                f"{self.name}.source set): drop --input {unread[0]}"
+            )
         for role, ds in inputs.items():
             kinds = self.input_kinds(role)
             if kinds is None:
