@@ -219,6 +219,16 @@ def _run(
     record_results(ctx, run_name, results)
     for key, r in results.items():
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
+    final = results.get("evaluate")
+    if stage in CHAINS and final is not None and final.dataset is not None:
+        from pipeline.core.tuning import k_report
+
+        meta = final.dataset.meta
+        if "k" in meta and "drafter" in meta:
+            temperature = meta.get("temperature", 0.0)
+            click.echo(
+                f"draft length {k_report(store.open(meta['drafter']), meta['k'], temperature)}"
+            )
     if stage == "full":
         from pipeline.chains import export_chain_result
 

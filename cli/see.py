@@ -61,7 +61,7 @@ def see_cmd(
     from pipeline.core.export import vllm_command
     from pipeline.core.quicklook import cpu_name, lookup_drafter, side_by_side, table
     from pipeline.core.targets import TargetConfig, TargetLoader, resolve_dtype
-    from pipeline.core.tuning import run_tune, serving_k, trained_k
+    from pipeline.core.tuning import k_report, run_tune, serving_k, trained_k, tuned_result
     from pipeline.profiles import load_config
     from pipeline.stages.prompts import PromptsConfig, heldout_rows, heldout_set_name
 
@@ -101,26 +101,25 @@ def see_cmd(
     names = [heldout_set_name(s) for s in sets_]
 
     trained = trained_k(ds) or cfg.drafting.k
-    k, source = serving_k(ds, 0.0, trained)
-    if "opd tune" not in source:
+    if tuned_result(ds, 0.0) is None:
         subset = [p for set_rows in prompts.values() for p in set_rows[:tune_prompts]]
         opts = TuneOptions(max_new_tokens, thresholds=(0.0,), repeats=1, candidates=2)
         click.echo(f"opd tune: timing K=1..{trained} on {len(subset)} prompts ...")
         run_tune(ds, subset, loader, 0.0, trained, opts)
-        k, source = serving_k(ds, 0.0, trained)
+    k, _ = serving_k(ds, 0.0, trained)
     drafter = load_drafter_dataset(ds, target, loader.identity)
     title, lookup = lookup_drafter(target)
     n = sum(len(v) for v in prompts.values())
     click.echo(f"decoding {n} prompts x {max_new_tokens} new tokens, batch 1, T=0 ...")
     tallies = side_by_side(
-        target, {"drafter": (drafter, k), "lookup": (lookup, k)}, prompts, max_new_tokens
+        target, {"drafter": (drafter, k), "lookup": (lookup, trained)}, prompts, max_new_tokens
     )
     click.echo(f"CPU {cpu_name()}, target dtype {resolve_dtype(loader.cfg)}, "
                f"{torch.get_num_threads()} torch thread(s)")  # fmt: skip
     click.echo(f"drafter {ds.ref} from {directory}: {drafter.spec.title}")
-    click.echo(f"K={k}: {source}; trained K={trained}")
+    click.echo(f"draft length {k_report(ds, k)}")
     labels = {"plain": "plain decoding", "drafter": f"{drafter.spec.title} K={k}"}
-    labels["lookup"] = f"{title} K={k}"
+    labels["lookup"] = f"{title} K={trained}"
     for line in table(tallies, labels, names):
         click.echo("  " + line)
     served = drafter.speculative_config(directory.resolve(), k)

@@ -43,16 +43,24 @@ class Tally:
 
 
 def cpu_name() -> str:
-    """The CPU's model name and torch's capability level (what its kernels use)."""
-    model = platform.processor() or platform.machine()
+    """The CPU's model name, torch's kernel level on it and its native bf16 instructions."""
+    model, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
-    return f"{model} ({torch.backends.cpu.get_cpu_capability()})"
+    bf16 = [
+        name
+        for flag, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+        if flag in flags
+    ]
+    native = ", ".join(bf16) if bf16 else "no native bf16"
+    return f"{model} (torch kernels: {torch.backends.cpu.get_cpu_capability()}; {native})"
 
 
 def lookup_drafter(target: Any) -> tuple[str, Drafter]:
