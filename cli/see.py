@@ -91,8 +91,13 @@ def see_cmd(
     loader = TargetLoader(target_cfg)
     ds, _ = import_drafter(store, directory, loader)
     target, tok = loader.target, loader.tokenizer
+    # the held-out rows the prompts stage makes (smollm2 profile's prompt cap: HumanEval's
+    # longer functions stay in)
     pcfg = PromptsConfig(
-        source="magpie", heldout_sets=list(sets_), max_heldout_rows=prompts_per_set
+        source="magpie",
+        heldout_sets=list(sets_),
+        max_heldout_rows=prompts_per_set,
+        max_prompt_tokens=load_config("smollm2").prompts.max_prompt_tokens,
     )
     rows = heldout_rows(pcfg, tok, Counter())
     prompts: dict[str, list[list[int]]] = {}

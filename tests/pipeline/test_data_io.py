@@ -278,3 +278,37 @@ def test_a_bf16_export_imports_and_decodes_losslessly_beside_the_fp32_target(mad
     r = run_opd(tmp_path / "fresh", "eval", "--json", "--set", "evaluate.max_new_tokens=6")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["lossless_t0"] is True
+
+
+def test_sft_continues_an_imported_drafter_on_new_trajectories_with_its_map(made, tmp_path):
+    out = made[3]
+    fresh = tmp_path / "fresh"
+    assert run_opd(fresh, "data", "import-drafter", str(out)).exit_code == 0
+    chat = tmp_path / "new.jsonl"
+    asks = [("x = 1", "y = x + 1"), ("def f():", "return 2"), ("a", "b = a"), ("for i", "in x:")]
+    chat.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}]}
+            )
+            + "\n"
+            for u, a in asks
+        )
+    )
+    assert run_opd(fresh, "data", "import", str(chat), "--profile", "tiny").exit_code == 0
+    store = Store(fresh)
+    imported = store.open("sft@latest")
+    cfg = load_config("tiny")
+    ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
+    traj = store.open("trajectories@latest")
+    own = run_stage(features.STAGE, cfg.features, {"trajectories": traj}, ctx).dataset
+    with pytest.raises(OpdError, match="another draft-vocab map"):
+        run_stage(sft.STAGE, cfg.sft, {"features": own, "drafter": imported}, ctx)
+    inputs = {"trajectories": traj, "drafter": imported}
+    feats = run_stage(features.STAGE, cfg.features, inputs, ctx).dataset
+    assert (
+        feats.file("draft_vocab.safetensors").read_bytes()
+        == imported.file("draft_vocab.safetensors").read_bytes()
+    )
+    more = run_stage(sft.STAGE, cfg.sft, {"features": feats, "drafter": imported}, ctx).dataset
+    assert more.inputs["drafter"] == str(imported.ref)
