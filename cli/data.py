@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from storage import OpdError, Store
+from storage import Store
 
 
 def _human_bytes(n: int | None) -> str:
@@ -154,24 +154,16 @@ def data_export_cmd(store: Store, ref: str, out: Path) -> None:
 def data_import_cmd(store: Store, file: Path, profile: str | None, sets: tuple[str, ...]) -> None:
     """Import a trajectories file (an `opd data export` Parquet file, or chat JSONL) as a
     `trajectories` version: the generate stage with generate.source=FILE."""
-    from cli.common import setup_logging, states_target
+    from cli.common import recorded_target, setup_logging
     from pipeline.core.runner import RunContext, run_stage
-    from pipeline.core.targets import TargetConfig, TargetLoader
+    from pipeline.core.targets import TargetLoader
     from pipeline.core.trajectory_files import file_info
     from pipeline.profiles import load_config
     from pipeline.stages import generate
 
     cfg = load_config(profile or "default", None, list(sets))
-    target = cfg.target
-    info = file_info(file)
-    if not states_target(profile, sets):
-        spec = {k: v for k, v in (info.meta.get("target") or {}).items() if k != "dtype"}
-        if not spec:
-            raise OpdError(
-                f"{file} names no target: pass --profile NAME or --set target.path=... (the "
-                "target whose chat template renders it)"
-            )
-        target = TargetConfig.model_validate(spec)
+    spec = {k: v for k, v in (file_info(file).meta.get("target") or {}).items() if k != "dtype"}
+    target = recorded_target(spec, profile, sets, str(file))
     section = cfg.generate.model_copy(update={"source": str(file.expanduser().resolve())})
     setup_logging()
     ctx = RunContext(store=store, target_loader=TargetLoader(target), progress=False)
@@ -193,20 +185,11 @@ def import_drafter_cmd(
 ) -> None:
     """Import a drafter directory (an `opd export` directory, or a drafter dataset copied out of
     a data root) as an `sft` version that eval, tune, rollout, export, sft and opd read."""
-    from cli.common import states_target
-    from pipeline.core.drafter_import import describe, import_drafter, recorded_target
-    from pipeline.core.targets import TargetConfig, TargetLoader
-    from pipeline.profiles import load_config
+    from cli.common import recorded_target
+    from pipeline.core.drafter_import import describe, import_drafter
+    from pipeline.core.drafter_import import recorded_target as drafter_target
+    from pipeline.core.targets import TargetLoader
 
-    cfg = load_config(profile or "default", None, list(sets))
-    target = cfg.target
-    if not states_target(profile, sets):
-        spec = recorded_target(describe(directory))
-        if spec is None:
-            raise OpdError(
-                f"{directory} does not record how to load its target: pass --profile NAME or "
-                "--set target.path=..."
-            )
-        target = TargetConfig.model_validate(spec)
+    target = recorded_target(drafter_target(describe(directory)), profile, sets, str(directory))
     ds, existed = import_drafter(store, directory, TargetLoader(target))
     click.echo(f"{ds.ref}" + ("  (existed)" if existed else ""))

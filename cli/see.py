@@ -54,13 +54,14 @@ def see_cmd(
 
     import torch
 
-    from cli.common import setup_logging
+    from cli.common import recorded_target, setup_logging
     from models.draft_length import TuneOptions
-    from pipeline.core.drafter_import import describe, import_drafter, recorded_target
+    from pipeline.core.drafter_import import describe, import_drafter
+    from pipeline.core.drafter_import import recorded_target as drafter_target
     from pipeline.core.drafters import load_drafter_dataset
     from pipeline.core.export import vllm_command
     from pipeline.core.quicklook import cpu_name, lookup_drafter, side_by_side, table
-    from pipeline.core.targets import TargetConfig, TargetLoader, resolve_dtype
+    from pipeline.core.targets import TargetLoader, resolve_dtype
     from pipeline.core.tuning import k_report, run_tune, serving_k, trained_k, tuned_result
     from pipeline.profiles import load_config
     from pipeline.stages.prompts import PromptsConfig, heldout_rows, heldout_set_name
@@ -73,21 +74,7 @@ def see_cmd(
         )
     setup_logging()
     cfg = load_config("default", None, list(sets))
-    spec = recorded_target(describe(directory))
-    if spec is None:
-        raise OpdError(f"{directory} does not record its target: pass --set target.path=...")
-    stated = {
-        s.split("=", 1)[0].removeprefix("target."): s for s in sets if s.startswith("target.")
-    }
-    target_cfg = TargetConfig.model_validate(spec)
-    if stated:
-        target_cfg = (
-            cfg.target
-            if "path" in stated
-            else target_cfg.model_copy(
-                update={k: getattr(cfg.target, k) for k in stated if hasattr(cfg.target, k)}
-            )
-        )
+    target_cfg = recorded_target(drafter_target(describe(directory)), None, sets, str(directory))
     loader = TargetLoader(target_cfg)
     ds, _ = import_drafter(store, directory, loader)
     target, tok = loader.target, loader.tokenizer
