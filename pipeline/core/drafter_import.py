@@ -66,7 +66,8 @@ def describe(directory: Path) -> dict[str, Any]:
             f"{directory} is neither an `opd export` directory (no {CHECKSUMS_FILE}) nor a "
             f"drafter dataset (no {MANIFEST}): export the drafter with `opd export`"
         )
-    if (problem := export_problem(directory)) is not None:
+    # notes added beside the export (a provenance file) are read by people, not here
+    if (problem := export_problem(directory, extra_ok=True)) is not None:
         raise OpdError(f"{directory} fails its checksums: {problem}; export it again")
     record_path = directory / DRAFTER_RECORD
     if record_path.is_file():
@@ -188,6 +189,12 @@ def import_drafter(store: Store, directory: Path, loader: TargetLoader) -> tuple
             "format": about["kind"],
             "sha256": digest,
             **about["provenance"],
+        },
+        # what `opd show` prints in the lineage: the directory and the hash of its files
+        "source": {
+            "file": directory.resolve().name,
+            "path": str(directory.resolve()),
+            "sha256": digest,
         },
         "draft_vocab_size": drafter.vocab.draft_vocab_size,
         "target": loader.identity,

@@ -305,8 +305,9 @@ def _listed_files(record_path: Path) -> dict[str, tuple[int, str]]:
     return listed
 
 
-def export_problem(export_dir: Path) -> str | None:
-    """What is wrong with an export directory against its checksums (None: every file matches)."""
+def export_problem(export_dir: Path, *, extra_ok: bool = False) -> str | None:
+    """What is wrong with an export directory against its checksums (None: every file matches).
+    `extra_ok`: files it was not exported with (notes added beside it) are no problem."""
     record_path = export_dir / CHECKSUMS_FILE
     if not record_path.is_file():
         return f"it has no {CHECKSUMS_FILE} (not an export, an unfinished one, or an older one)"
@@ -315,7 +316,7 @@ def export_problem(export_dir: Path) -> str | None:
     except ValueError as e:
         return f"its {CHECKSUMS_FILE} is unreadable ({e})"
     present = set(_export_files(export_dir)) - {CHECKSUMS_FILE}
-    if extra := sorted(present - set(expected)):
+    if not extra_ok and (extra := sorted(present - set(expected))):
         return f"{extra[0]} is not one of the files it was exported with"
     for name, (size, sha) in expected.items():
         path = export_dir / name

@@ -199,6 +199,10 @@ def test_a_drafter_round_trips_through_its_export_and_every_stage_takes_it(made,
     imported = Store(fresh).open("sft@latest")
     assert imported.manifest["stage"] == "import-drafter"
     assert imported.meta["imported"]["drafter"] == sft_ref
+    assert (
+        Store(fresh).lineage(imported.ref)["source"]["sha256"]
+        == imported.config["stage"]["source_sha256"]
+    )
     assert imported.config["stage"]["ttt_steps"] == 3 and imported.config["stage"]["tau_k"] == 3
     original = Store(root).open(sft_ref)
     assert json.loads(imported.file(CONFIG_FILE).read_text()) == json.loads(
@@ -252,6 +256,8 @@ def test_a_drafter_for_another_target_or_a_tampered_one_is_refused(made, tmp_pat
     one_line_error(r, "was made for another target (weights_sha256")
     tampered = tmp_path / "tampered"
     shutil.copytree(out, tampered)
+    (tampered / "PROVENANCE.md").write_text("corpus, steps, held-out tau\n")  # notes are fine
+    assert run_opd(tmp_path / "b", "data", "import-drafter", str(tampered)).exit_code == 0
     weights = tampered / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0xFF
