@@ -280,6 +280,11 @@ def test_a_bf16_export_imports_and_decodes_losslessly_beside_the_fp32_target(mad
     r = run_opd(tmp_path / "fresh", "data", "import-drafter", str(out))
     assert r.exit_code == 0, r.output
     store = Store(tmp_path / "fresh")
+    stored = json.loads(store.open("sft@latest").file(CONFIG_FILE).read_text())
+    loader = TargetLoader(load_config("tiny").target)
+    loaded = load_drafter_dataset(store.open("sft@latest"), loader.target, loader.identity)
+    assert loaded.fc.weight.dtype == torch.float32  # upcast (exactly) beside the fp32 target
+    assert stored["kind"] == "eagle3"
     write_prompts(store)
     r = run_opd(tmp_path / "fresh", "eval", "--json", "--set", "evaluate.max_new_tokens=6")
     assert r.exit_code == 0, r.output
