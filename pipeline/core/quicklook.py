@@ -74,7 +74,6 @@ def side_by_side(
     drafters: dict[str, tuple[Drafter, int]],
     prompts: dict[str, list[list[int]]],
     max_new_tokens: int,
-    progress: Any = None,
 ) -> dict[str, Tally]:
     """Plain decoding and each drafter (name -> (drafter, K)) over every prompt of every set,
     in turn per prompt, at T=0, batch 1."""
@@ -97,8 +96,6 @@ def side_by_side(
                 tally.accepted.setdefault(set_name, []).extend(
                     int(a) for a in res.steps["accepted"]
                 )
-            if progress is not None:
-                progress(set_name)
     return tallies
 
 

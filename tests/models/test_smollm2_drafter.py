@@ -30,9 +30,7 @@ ASKS = (
 
 
 @pytest.mark.slow
-def test_the_committed_drafter_decodes_smollm2_losslessly_and_accepts_drafts(
-    tmp_path, monkeypatch
-):
+def test_the_committed_drafter_decodes_smollm2_losslessly_and_accepts_drafts(tmp_path, monkeypatch):
     if not (DRAFTER / "config.json").is_file():
         pytest.fail(
             f"the committed SmolLM2 drafter is missing: {DRAFTER} has no config.json (it is "
