@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 PINS := $(VENV)/pins.txt
 
-.PHONY: setup vllm demo test test-serial test-fast lint
+.PHONY: setup vllm demo see test test-serial test-fast lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,13 @@ vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/opd run full
+
+# The committed SmolLM2 drafter measured on this machine: MT-Bench and GSM8K (EAGLE's
+# question.jsonl files, read from BENCH, never copied here) and HumanEval, 8 prompts each.
+BENCH ?= ../shared/data/prompts
+see: $(STAMP)
+	$(BIN)/opd see assets/smollm2/eagle3 --sets $(BENCH)/mt_bench.jsonl \
+		--sets $(BENCH)/gsm8k.jsonl --sets humaneval
 
 TEST_ENV := PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 DO_NOT_TRACK=1 \
 	PREFECT_SERVER_ANALYTICS_ENABLED=false

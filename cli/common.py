@@ -84,3 +84,37 @@ def check_prompts_dataset(prompts_ds, option: str) -> None:
             f"{option} {prompts_ds.ref} is a {prompts_ds.ref.name} dataset, not a "
             f"{' or '.join(kinds)} dataset: pass {option} prompts@VERSION (or prompts@latest)"
         )
+
+
+def recorded_target(recorded: dict | None, profile: str | None, sets: tuple[str, ...], what: str):
+    """The target of a command reading a file or directory that records its own (`what`): that
+    one, with the command line's `--set target.*` over it; `--profile` names its own target."""
+    from pydantic import ValidationError
+
+    from pipeline.core.targets import TargetConfig
+    from pipeline.profiles import load_config, parse_set
+
+    if profile is not None or not recorded:
+        if profile is None and not states_target(None, sets):
+            raise OpdError(
+                f"{what} names no target: pass --profile NAME or --set target.path=... (the "
+                "target it was made for)"
+            )
+        return load_config(profile or "default", None, list(sets)).target
+    spec = dict(recorded)
+    for item in sets:
+        over = parse_set(item)
+        if "target" in over:
+            spec = _merged(spec, over["target"])
+    try:
+        return TargetConfig.model_validate(spec)
+    except ValidationError as e:
+        raise OpdError(f"invalid target for {what}: {e.errors()[0]['msg']}") from None
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if nested else value
+    return out

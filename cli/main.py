@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import click
 import torch
 
-from cli import data, measure, run, serve, target
+from cli import data, measure, run, see, serve, target
 from models import vllm_engine
 from storage import OpdError, Store, default_root
 from storage.layout import check_root_placement
@@ -89,12 +89,14 @@ for command in (
     data.ls_cmd,
     data.show_cmd,
     data.gc_cmd,
+    data.data_group,
     run.run_cmd,
     measure.eval_cmd,
     measure.analyze_cmd,
     measure.tune_cmd,
     serve.export_cmd,
     serve.serve_cmd,
+    see.see_cmd,
     target.target_group,
 ):
     cli.add_command(command)

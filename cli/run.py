@@ -190,7 +190,8 @@ def _run(
         bad += [r for r in roles if step.stage.input_kinds(r) is None]
         if bad:
             raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {known}")
-        wanted = [*step.stage.inputs, *(r for r in roles if r not in step.stage.inputs)]
+        required = step.stage.required_roles(step.cfg)
+        wanted = [*required, *(r for r in roles if r not in required)]
         external = {
             role: store.open(roles.get(role) or step.stage.default_ref(role)) for role in wanted
         }
@@ -222,6 +223,16 @@ def _run(
     record_results(ctx, run_name, results)
     for key, r in results.items():
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
+    final = results.get("evaluate")
+    if stage in CHAINS and final is not None and final.dataset is not None:
+        from pipeline.core.tuning import k_report
+
+        meta = final.dataset.meta
+        if "k" in meta and "drafter" in meta:
+            temperature = meta.get("temperature", 0.0)
+            click.echo(
+                f"draft length {k_report(store.open(meta['drafter']), meta['k'], temperature)}"
+            )
     if stage == "full":
         from pipeline.chains import export_chain_result
 

@@ -66,6 +66,13 @@ from storage import OpdError, Store
     help="The target as the serving machine names it (speculators verifier.name_or_path) "
     "[default: the hub name in the target's config.json, else its local path].",
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default=None,
+    help="Cast the drafter's weights to this dtype [default: as trained]; bfloat16 halves "
+    "the files, and the round-trip check compares the cast drafter.",
+)
 @click.option("--profile", default=None, help=PROFILE_HELP)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.pass_obj
@@ -79,6 +86,7 @@ def export_cmd(
     k: int | None,
     temperature: float,
     verifier: str | None,
+    dtype: str | None,
     profile: str | None,
     sets: tuple[str, ...],
 ) -> None:
@@ -103,7 +111,9 @@ def export_cmd(
         k, source = cfg.drafting.k, "--set drafting.k"  # stated like any other setting
     else:
         k, source = serving_k(drafter, temperature, trained_k(drafter) or cfg.drafting.k)
-    info = export_drafter(drafter, loader, fmt, out, k, overwrite=overwrite, verifier=verifier)
+    info = export_drafter(
+        drafter, loader, fmt, out, k, overwrite=overwrite, verifier=verifier, dtype=dtype
+    )
     if info["num_speculative_tokens"] != k:
         source = f"the drafter's block (asked for {k}; vLLM drafts a whole block)"
     for warning in info["warnings"]:

@@ -69,7 +69,8 @@ def single_step(name: str, cfg: PipelineConfig) -> Step:
 def sft_chain(cfg: PipelineConfig) -> list[Step]:
     return [
         _step("prompts", cfg),
-        _step("generate", cfg, {"prompts": "prompts"}),
+        # with a source file, generate reads no prompts (the chain still makes them: evaluate's)
+        _step("generate", cfg, {} if cfg.generate.source else {"prompts": "prompts"}),
         _step("features", cfg, {"trajectories": "generate"}),
         _step("sft", cfg, {"features": "features"}),
         _step("evaluate", cfg, {"prompts": "prompts", "drafter": "sft"}),

@@ -324,9 +324,11 @@ class Store(StoreGc):
     def lineage(self, ref: DatasetRef) -> dict[str, Any]:
         """The tree of inputs back to the sources: {ref, stage, inputs: {role: subtree}}."""
         ds = self.open(ref)
+        source = ds.meta.get("source")  # a file a stage read instead of a dataset
         return {
             "ref": str(ref),
             "stage": ds.manifest.get("stage"),
+            **({"source": source} if isinstance(source, dict) and "sha256" in source else {}),
             "inputs": {
                 role: self.lineage(DatasetRef.parse_exact(r))
                 if self.exists(DatasetRef.parse_exact(r))

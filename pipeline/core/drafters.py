@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from torch import nn
 
 from models.drafter import Drafter, TrainableDrafter
 from models.drafters import (
@@ -127,7 +128,23 @@ def load_drafter_dataset(
         drafter = load_drafter(ds.path, target.embed_weight, kind=kind)
     except ValueError as e:
         raise OpdError(f"{ds.ref}: {e}") from None
-    return drafter.eval()
+    return in_target_dtype(drafter, target).eval()
+
+
+def in_target_dtype(drafter: Drafter, target: Target) -> Drafter:
+    """`drafter` with weights stored in a narrower dtype than the target's (an export imported
+    in bf16, beside an fp32 target) upcast to it, which is exact: continued training then
+    updates fp32 weights, as training from scratch does. Never downcast: a drafter trained in
+    fp32 keeps its weights beside a bf16 target."""
+    dtype = target.embed_weight.dtype
+    own = [p for n, p in drafter.named_parameters() if not n.startswith("embed_tokens.")]
+    narrower = [p for p in own if p.is_floating_point() and p.dtype.itemsize < dtype.itemsize]
+    if not narrower:
+        return drafter
+    drafter.to(dtype=dtype)
+    # `.to()` casts the shared embedding's parameter too: re-attach the target's own tensor
+    drafter.embed_tokens.weight = nn.Parameter(target.embed_weight, requires_grad=False)
+    return drafter
 
 
 def written_summary(output: DatasetWriter) -> dict[str, Any] | None:

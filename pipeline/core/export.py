@@ -22,11 +22,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from models.drafter import ExportTarget
+from models.drafters import CONFIG_FILE as DRAFTER_CONFIG
 from models.drafters import kind_spec
 from models.export import ExportError, round_trip_diff, write_export
-from pipeline.core.drafters import check_drafting_depth, drafter_kind, load_drafter_dataset
-from pipeline.core.targets import TargetLoader
+from pipeline.core.drafters import (
+    check_drafting_depth,
+    drafter_kind,
+    load_drafter_dataset,
+    trained_depth,
+)
+from pipeline.core.targets import TargetLoader, target_spec
+from pipeline.core.trajectory_files import target_fingerprint
+from pipeline.core.tuning import trained_k
 from storage import Dataset, OpdError
 from storage.fingerprint import VERSION_LEN
 from storage.jsonfile import UnreadableJson, read_json_object
@@ -36,6 +46,12 @@ log = logging.getLogger("opd")
 
 CHECKSUMS_FILE = "opd_export.json"
 """Size and sha256 of every file of an export, written last (`opd export --verify DIR`)."""
+
+DRAFTER_RECORD = "opd_drafter.json"
+"""What `opd data import-drafter` needs beside the served files, in every export format: the
+drafter's own config, the depth and K it was trained for, the target it serves (how to load
+it and its fingerprint: weights, shape, tokenizer and chat template) and where it came from
+(its dataset and lineage, its training summary). vLLM reads only config.json and the weights."""
 
 EXPORTS_DIR = "_exports"
 """Under the data root: the chain's exports (`ensure_export`), the one place exports may go."""
@@ -289,8 +305,9 @@ def _listed_files(record_path: Path) -> dict[str, tuple[int, str]]:
     return listed
 
 
-def export_problem(export_dir: Path) -> str | None:
-    """What is wrong with an export directory against its checksums (None: every file matches)."""
+def export_problem(export_dir: Path, *, extra_ok: bool = False) -> str | None:
+    """What is wrong with an export directory against its checksums (None: every file matches).
+    `extra_ok`: files it was not exported with (notes added beside it) are no problem."""
     record_path = export_dir / CHECKSUMS_FILE
     if not record_path.is_file():
         return f"it has no {CHECKSUMS_FILE} (not an export, an unfinished one, or an older one)"
@@ -299,7 +316,7 @@ def export_problem(export_dir: Path) -> str | None:
     except ValueError as e:
         return f"its {CHECKSUMS_FILE} is unreadable ({e})"
     present = set(_export_files(export_dir)) - {CHECKSUMS_FILE}
-    if extra := sorted(present - set(expected)):
+    if not extra_ok and (extra := sorted(present - set(expected))):
         return f"{extra[0]} is not one of the files it was exported with"
     for name, (size, sha) in expected.items():
         path = export_dir / name
@@ -333,6 +350,25 @@ def export_formats(drafter_ds: Dataset) -> tuple[str, ...]:
     return spec.export_formats
 
 
+_SUMMARY_KEYS = ("steps", "epochs", "validation", "objective", "features", "untrained")
+
+
+def drafter_record(drafter_ds: Dataset, loader: TargetLoader) -> dict[str, Any]:
+    """`DRAFTER_RECORD`'s content for the drafter in `drafter_ds`."""
+    return {
+        "format_version": 1,
+        "drafter": str(drafter_ds.ref),
+        "drafter_kind": drafter_kind(drafter_ds),
+        "drafter_config": json.loads(drafter_ds.file(DRAFTER_CONFIG).read_text()),
+        "trained_depth": trained_depth(drafter_ds),
+        "trained_k": trained_k(drafter_ds),
+        "target": target_spec(loader.cfg),
+        "target_fingerprint": target_fingerprint(loader),
+        "lineage": drafter_ds.store.lineage(drafter_ds.ref),
+        "summary": {k: drafter_ds.meta[k] for k in _SUMMARY_KEYS if k in drafter_ds.meta},
+    }
+
+
 def export_drafter(
     drafter_ds: Dataset,
     loader: TargetLoader,
@@ -342,10 +378,13 @@ def export_drafter(
     *,
     overwrite: bool = False,
     verifier: str | None = None,
+    dtype: str | None = None,
 ) -> dict:
     """Export, verify the round trip, and return {path, format, max_logit_diff, vllm_command,
     warnings}. Writes into a temporary sibling of `out` and renames it into place only when the
-    export reloads to identical logits (see `staged_out_dir` for what `out` may be)."""
+    export reloads to identical logits (see `staged_out_dir` for what `out` may be). `dtype`
+    (float32, bfloat16) casts the drafter's weights first (None: as trained); the round trip
+    then compares the cast drafter."""
     if k < 1:
         raise OpdError(f"--k must be >= 1 (tokens drafted per step), got {k}")
     check_drafting_depth(drafter_ds, k)  # vLLM would draft the offsets it never learned
@@ -367,8 +406,14 @@ def export_drafter(
     ) as staging:
         target = loader.target
         drafter = load_drafter_dataset(drafter_ds, target, loader.identity)
+        if dtype is not None:
+            drafter.to(dtype=getattr(torch, dtype))
+            # `.to()` casts the shared embedding too: the drafter keeps reading the target's
+            drafter.embed_tokens.weight = torch.nn.Parameter(
+                target.embed_weight, requires_grad=False
+            )
         try:
-            serves = ExportTarget(target.config, loader.identity, target.embed_weight)
+            serves = ExportTarget(target.config, target_fingerprint(loader), target.embed_weight)
             write_export(drafter, fmt, staging, serves, k=k, verifier=verifier)
             diff = round_trip_diff(drafter, staging, target.embed_weight)
         except ExportError as e:
@@ -377,6 +422,8 @@ def export_drafter(
             raise OpdError(
                 f"export of {drafter_ds.ref} does not reproduce the drafter (max logit diff {diff})"
             )
+        record = drafter_record(drafter_ds, loader)
+        (staging / DRAFTER_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         write_checksums(staging, drafter=str(drafter_ds.ref), fmt=fmt)
         share_as_umask_allows(staging)
     path = Path(out).expanduser().absolute()

@@ -155,7 +155,7 @@ def run_stage(
     rank: int = 0,
     world_size: int = 1,
 ) -> StageResult:
-    stage.check_inputs(inputs)
+    stage.check_inputs(inputs, cfg)
     cfg = resolved(stage, cfg, ctx)
     if stage.precheck is not None:
         stage.precheck(cfg, inputs, ctx)

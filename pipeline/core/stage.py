@@ -76,6 +76,9 @@ class Stage:
     """resolve(cfg, ctx) -> cfg with its machine-dependent `auto` settings made concrete (a
     training stage's `bf16`), before the version is computed and the stage runs: the version
     records what this machine does, not what the user left to it."""
+    unread_inputs: Callable[[Any], tuple[str, ...]] | None = None
+    """unread_inputs(cfg): required roles this config does not read (generate with a `source`
+    file reads no prompts); they are then neither required nor accepted."""
     engine: Callable[[Any, Any], str | None] | None = None
     """engine(cfg, ctx): what a `backend: auto` setting resolves to on this machine; it is
     hashed into the version, since different engines write different (equally valid) tokens."""
@@ -93,11 +96,22 @@ class Stage:
     def default_ref(self, role: str) -> str:
         return self.default_inputs.get(role) or f"{self.input_kinds(role)[0]}@latest"
 
-    def check_inputs(self, inputs: Mapping[str, Dataset]) -> None:
+    def required_roles(self, cfg: Any = None) -> list[str]:
+        """The roles `cfg` makes this stage read (all of `inputs` unless `unread_inputs`)."""
+        unread = self.unread_inputs(cfg) if self.unread_inputs and cfg is not None else ()
+        return [r for r in self.inputs if r not in unread]
+
+    def check_inputs(self, inputs: Mapping[str, Dataset], cfg: Any = None) -> None:
         """Every required role is given, and every given dataset is a kind its role reads."""
-        missing = sorted(set(self.inputs) - set(inputs))
+        required = self.required_roles(cfg)
+        missing = sorted(set(required) - set(inputs))
         if missing:
             raise OpdError(f"stage {self.name} needs inputs {missing}")
+        if unread := sorted((set(self.inputs) - set(required)) & set(inputs)):
+            raise OpdError(
+                f"stage {self.name} does not read {unread} with this config (e.g. "
+                f"{self.name}.source set): drop --input {unread[0]}"
+            )
         for role, ds in inputs.items():
             kinds = self.input_kinds(role)
             if kinds is None:

@@ -125,6 +125,31 @@ def serving_k(drafter_ds: Dataset, temperature: float, fallback: int) -> tuple[i
     )
 
 
+def tuned_result(drafter_ds: Dataset, temperature: float) -> dict[str, Any] | None:
+    """What `opd tune` recorded for `drafter_ds` at `temperature` here (None: not tuned)."""
+    return _recorded_entry(drafter_ds, tune_file(drafter_ds), temperature)
+
+
+def k_report(drafter_ds: Dataset, k: int, temperature: float = 0.0) -> str:
+    """One line naming the K a drafter was decoded at beside its trained K and the K `opd
+    tune` measured fastest on this machine (or the command that measures it)."""
+    trained = trained_k(drafter_ds)
+    said = f"K={k}" + (f" (trained K={trained})" if trained is not None else "")
+    entry = tuned_result(drafter_ds, temperature)
+    if entry is None:
+        return (
+            f"{said}; fastest K on this machine not measured: opd tune --drafter "
+            f"{drafter_ds.ref} --temperature {temperature}"
+        )
+    serve = entry["serve"]
+    at_trained = entry.get("measured", {}).get("default", {}).get("speedup_vs_plain")
+    there = f", trained K {at_trained}x in the same timing" if at_trained is not None else ""
+    return (
+        f"{said}; `opd tune` measured K={serve['k']} fastest here ({serve['speedup_vs_plain']}x "
+        f"plain decoding on {serve['prompts']} prompts{there})"
+    )
+
+
 def trained_k(drafter_ds: Dataset) -> int | None:
     """The K (drafting.k) the drafter was trained for: SFT measures its tau over it (`tau_k`),
     Draft-OPD validates over it (`val_ttt_steps`); None if the dataset records neither."""

@@ -10,8 +10,11 @@ run stores last_hidden alone (2·H bytes a token instead of 8·H), and the meta'
 `hidden_states` names what a dataset stores when it is not both. The rows are written by
 `featurize.FeatureSource`, the one source every stage reads features through. Also `draft_vocab.safetensors`: the draft vocabulary map
 (d2t, t2d, token counts) built once here from loss-masked token frequencies of the whole
-trajectories dataset and never rebuilt downstream. The manifest's meta records the target's
-identity, layer ids and dtype; consumers refuse features made by another target.
+trajectories dataset and never rebuilt downstream. With the optional `drafter` input (a drafter
+to continue training on new trajectories, e.g. one imported with `opd data import-drafter`)
+the map is that drafter's, copied byte for byte, so `sft --input drafter=...` accepts it. The
+manifest's meta records the target's identity, layer ids and dtype; consumers refuse features
+made by another target.
 
 `mode=online` (unset = cached, the default: the versioned cache is the design) writes the same
 shards without the hidden-state columns, and the same vocab file: 5 bytes a token instead
@@ -37,11 +40,11 @@ from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
 from models.vocab import DraftVocab
-from pipeline.core.checks import VOCAB_FILE, check_same_target
+from pipeline.core.checks import VOCAB_FILE, check_same_target, vocab_of
 from pipeline.core.config import StrictConfig, optional_field
 from pipeline.core.featurize import HIDDEN_COLUMNS, ONLINE, FeatureSource, HiddenColumn
 from pipeline.core.runner import RunContext
-from pipeline.core.stage import Inputs, Stage
+from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
 from storage import Dataset, DatasetWriter, OpdError
 
 
@@ -114,7 +117,14 @@ def run(
     if not rows:
         raise OpdError(f"{traj.ref} is empty: nothing to cache")
     counts = token_counts(traj, target.vocab_size)
-    vocab = DraftVocab.from_counts(counts, min(cfg.draft_vocab_size, target.vocab_size))
+    if "drafter" in inputs:  # continuing a drafter: its map, frozen since its own features
+        check_same_target(inputs["drafter"], ctx.target_loader.identity)
+        theirs = vocab_of(inputs["drafter"])
+        vocab = DraftVocab(theirs["d2t"], theirs["t2d"])
+        if not output.has_shard(VOCAB_FILE):
+            output.write_file(VOCAB_FILE, inputs["drafter"].file(VOCAB_FILE))
+    else:
+        vocab = DraftVocab.from_counts(counts, min(cfg.draft_vocab_size, target.vocab_size))
     if not output.has_shard(VOCAB_FILE):
         output.write_bytes(
             VOCAB_FILE, save_safetensors({"d2t": vocab.d2t, "t2d": vocab.t2d, "counts": counts})
@@ -156,5 +166,7 @@ STAGE = Stage(
     run=run,
     doc="the target's states the drafter kind reads (aux layers, last hidden) of the trajectories; the frozen draft-vocab map",
     inputs={"trajectories": ("trajectories",)},
+    # a drafter to continue training on these trajectories: its vocab map instead of a new one
+    optional_inputs={"drafter": DRAFTER_DATASETS},
     sharded=True,
 )

@@ -14,12 +14,20 @@ and can load the target, else HF: on 2 CPU cores vLLM generated 1.7-2.2x HF's tr
 (lab/benchmarks/bench_generate.py). The engine used enters the version: at T=0 the two agree on most
 prompts but not all, and they sample from different random streams.
 
+With `source` set it generates nothing and reads no prompts: the trajectories are the rows of
+a pre-generated file (an `opd data export` Parquet file of the target's token ids, or chat
+JSONL rendered with its template; pipeline/core/trajectory_files.py). A file made with another
+tokenizer or chat template is refused before any work; the file's name and sha256 are in the
+version and its path, sha256 and what made it in the manifest's meta (`source`).
+
 Resumes: completed shards are skipped.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
@@ -28,28 +36,17 @@ from pydantic import Field
 from tqdm import tqdm
 
 from models import vllm_engine
-from pipeline.core.config import StrictConfig, runtime_field
+from pipeline.core import trajectory_files
+from pipeline.core.config import StrictConfig, optional_field, runtime_field, version_dict
 from pipeline.core.prompt_sets import select_prompts
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import Inputs, Stage
 from pipeline.core.targets import check_engine_target, resolve_backend, resolve_dtype
-from storage import DatasetWriter, OpdError
+from storage import Dataset, DatasetWriter, OpdError, sha256_file
 
 log = logging.getLogger("opd")
 
-SCHEMA = pa.schema(
-    [
-        ("seq_id", pa.string()),
-        ("prompt_id", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("prompt_len", pa.int32()),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("finish_reason", pa.string()),
-        ("temperature", pa.float32()),
-        ("top_p", pa.float32()),
-        ("seed", pa.int64()),
-    ]
-)
+SCHEMA = trajectory_files.TRAJECTORY_SCHEMA
 
 
 class Config(StrictConfig):
@@ -67,11 +64,50 @@ class Config(StrictConfig):
     backend: Literal["auto", "vllm", "hf"] = runtime_field(
         "auto", "generation engine; the one it resolves to enters the version (resolved_engine)"
     )
+    source: str | None = optional_field(
+        "a file of pre-generated conversations to take instead of generating: an `opd data "
+        "export` Parquet file (the target's token ids, checked against its tokenizer and chat "
+        "template) or chat JSONL (rendered with the target's template); no prompts are read "
+        "and the settings above do not apply (pipeline/core/trajectory_files.py)"
+    )
 
 
-def resolved_engine(cfg: Config, ctx: RunContext) -> str:
-    """`hf` or `vllm`: what `cfg.backend` means for this run's target on this machine."""
+def resolved_engine(cfg: Config, ctx: RunContext) -> str | None:
+    """`hf` or `vllm`: what `cfg.backend` means for this run's target on this machine (None:
+    rows from a `source` file, no engine)."""
+    if cfg.source is not None:
+        return None
     return resolve_backend(cfg.backend, ctx.target_loader)
+
+
+def version_config(cfg: Config) -> dict:
+    """The config as the version records it: a source file by name (`version_extra` hashes
+    its content), so the same file anywhere is one version."""
+    out = version_dict(cfg)
+    if cfg.source is not None:
+        out["source"] = Path(cfg.source).name
+    return out
+
+
+def version_extra(cfg: Config) -> dict:
+    """The source file's sha256: another file, or an edited one, is another version."""
+    if cfg.source is None:
+        return {}
+    path = Path(cfg.source).expanduser()
+    if not path.is_file():
+        raise ValueError(f"generate.source {path} is not a file: pass a .parquet or .jsonl file")
+    return {"source_sha256": sha256_file(path)}
+
+
+def unread_inputs(cfg: Config) -> tuple[str, ...]:
+    """With a source file, generate reads no prompts."""
+    return ("prompts",) if cfg.source is not None else ()
+
+
+def precheck(cfg: Config, inputs: Mapping[str, Dataset], ctx: RunContext) -> None:
+    """A source file made for another tokenizer or template is refused before any work."""
+    if cfg.source is not None:
+        trajectory_files.check_source(Path(cfg.source).expanduser(), ctx.target_loader.tokenizer)
 
 
 def _start_vllm(
@@ -128,9 +164,40 @@ def generate_batch(
     return responses, reasons
 
 
+def from_source(
+    cfg: Config, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
+) -> dict:
+    """The rows of `cfg.source` as they are (Parquet) or rendered (chat JSONL), in file order,
+    `rows_per_shard` a shard."""
+    path = Path(cfg.source).expanduser()
+    loader = ctx.target_loader
+    info = trajectory_files.check_source(path, loader.tokenizer)
+    table = trajectory_files.read_rows(path, info, loader.tokenizer, loader.target.vocab_size)
+    n_shards = (table.num_rows + cfg.rows_per_shard - 1) // cfg.rows_per_shard
+    for i in range(rank, n_shards, world_size):
+        shard = f"part-{i:05d}.parquet"
+        if not output.has_shard(shard):
+            output.write_parquet(shard, table.slice(i * cfg.rows_per_shard, cfg.rows_per_shard))
+    about = {"file": path.name, "path": str(path.resolve()), "sha256": sha256_file(path)}
+    log.info(
+        "[generate] %d trajectories from %s (sha256 %s)", table.num_rows, path, about["sha256"]
+    )
+    meta = {
+        "sequences": table.num_rows,
+        "shards": n_shards,
+        "source": about | {"format": info.kind},
+    }
+    if info.kind == "parquet":  # what made the rows, carried to the next export
+        meta["generation"] = info.meta.get("generation")
+        meta["source"]["made_from"] = info.meta.get("source")
+    return meta
+
+
 def run(
     cfg: Config, inputs: Inputs, output: DatasetWriter, rank: int, world_size: int, ctx: RunContext
 ) -> dict:
+    if cfg.source is not None:
+        return from_source(cfg, output, rank, world_size, ctx)
     prompts = select_prompts(inputs["prompts"], cfg.split, cfg.max_prompts)
     jobs = [(p, s) for p in prompts for s in range(cfg.samples_per_prompt)]
     target = ctx.target_loader.target
@@ -213,4 +280,8 @@ STAGE = Stage(
     inputs={"prompts": ("prompts",)},
     sharded=True,
     engine=resolved_engine,
+    precheck=precheck,
+    version_config=version_config,
+    version_extra=version_extra,
+    unread_inputs=unread_inputs,
 )

@@ -147,7 +147,7 @@ def test_export_overwrite_replaces_the_directory_whole(trained, tmp_path):
     assert [p.name for p in out.iterdir()] == ["stale.txt"]
     r = opd(root, "export", *named(target_dir), "--drafter", ref, "--out", str(out), "--overwrite")
     assert r.exit_code == 0, r.output
-    files = ["config.json", "model.safetensors", "opd_export.json"]
+    files = ["config.json", "model.safetensors", "opd_drafter.json", "opd_export.json"]
     assert sorted(p.name for p in out.iterdir()) == files
     assert [p.name for p in tmp_path.iterdir()] == ["drafter"]  # no staging leftovers
 
@@ -166,7 +166,7 @@ def test_an_export_carries_checksums_that_verify_finds_a_flipped_byte_with(train
     assert record["drafter"] == ref
     assert record["files"]["model.safetensors"]["sha256"] == _sha(out / "model.safetensors")
     r = opd(root, "export", "--verify", str(out))
-    assert r.exit_code == 0 and "all 2 files match" in r.output, r.output
+    assert r.exit_code == 0 and "all 3 files match" in r.output, r.output
     weights = out / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -190,7 +190,7 @@ def test_a_cached_export_that_fails_its_checksums_is_written_again(trained, capl
     with caplog.at_level("WARNING", logger="opd"):
         assert ensure_export(drafter, loader, root, 3) == path
     assert "model.safetensors fails its sha256 check" in caplog.text
-    assert _sha(weights) == good and verify_export(path) == 2
+    assert _sha(weights) == good and verify_export(path) == 3
     caplog.clear()
     assert ensure_export(drafter, loader, root, 3) == path  # a good one is reused silently
     assert caplog.text == ""
@@ -494,7 +494,7 @@ def test_an_unreadable_checksums_file_is_one_line_and_a_cached_one_is_rewritten(
     (path / "opd_export.json").write_text(DEEP)
     with caplog.at_level("WARNING", logger="opd"):
         assert ensure_export(drafter, loader, base, 3) == path
-    assert "nested too deeply" in caplog.text and verify_export(path) == 2
+    assert "nested too deeply" in caplog.text and verify_export(path) == 3
 
 
 def test_export_never_replaces_a_dataset_of_another_data_root(trained, tmp_path):

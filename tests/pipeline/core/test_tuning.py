@@ -7,7 +7,14 @@ import polars as pl
 
 from models.draft_length import TuneOptions
 from pipeline.core.runner import run_stage
-from pipeline.core.tuning import heldout_prompts, run_tune, serving_k, trained_k, tune_file
+from pipeline.core.tuning import (
+    heldout_prompts,
+    k_report,
+    run_tune,
+    serving_k,
+    trained_k,
+    tune_file,
+)
 from pipeline.stages import features, generate, sft
 
 
@@ -21,6 +28,10 @@ def test_tune_records_a_fixed_k_and_export_serves_it(tiny):
     # nothing tuned yet: the drafter's trained K, and why
     k, source = serving_k(drafter, 0.0, trained_k(drafter))
     assert k == 3 and "no `opd tune` result at T=0.0" in source
+    assert k_report(drafter, 3) == (
+        f"K=3 (trained K=3); fastest K on this machine not measured: opd tune --drafter "
+        f"{drafter.ref} --temperature 0.0"
+    )
 
     prompts = heldout_prompts(prompts_ds, "heldout", 2)
     opts = TuneOptions(6, thresholds=(0.0, 0.5), verify_reps=1, candidates=2)
@@ -44,6 +55,9 @@ def test_tune_records_a_fixed_k_and_export_serves_it(tiny):
     assert k == serve["k"] and "measured by `opd tune` on this machine at T=0.0" in source
     k, source = serving_k(drafter, 1.0, 3)  # another serving temperature was not tuned
     assert k == 3 and "trained K" in source
+    line = k_report(drafter, 3)
+    assert line.startswith(f"K=3 (trained K=3); `opd tune` measured K={serve['k']} fastest here")
+    assert f"trained K {measured['default']['speedup_vs_plain']}x in the same timing" in line
 
 
 def test_heldout_prompts_are_evaluates(tiny):
