@@ -36,6 +36,12 @@ DEFAULT_SETS = (str(BENCH / "mt_bench.jsonl"), str(BENCH / "gsm8k.jsonl"), "huma
     help="Prompts per set `opd tune` times K on (once per drafter and machine: recorded).",
 )
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="e.g. target.dtype=float32")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Also write the result here as JSON (for `opd publish FILE.json --as NAME`).",
+)
 @click.pass_obj
 def see_cmd(
     store: Store,
@@ -45,11 +51,13 @@ def see_cmd(
     max_new_tokens: int,
     tune_prompts: int,
     sets: tuple[str, ...],
+    json_out: Path | None,
 ) -> None:
     """Import the drafter in DIRECTORY (an `opd export` directory; default: the committed
     SmolLM2 EAGLE-3 drafter) and decode held-out prompts with it at the K `opd tune` measures
     fastest here, beside plain decoding and the n-gram lookup (batch 1, T=0): τ over every
     verify step, speed-up, outputs identical to plain decoding; then the `vllm serve` command."""
+    import json
     from collections import Counter
 
     import torch
@@ -60,7 +68,7 @@ def see_cmd(
     from pipeline.core.drafter_import import recorded_target as drafter_target
     from pipeline.core.drafters import load_drafter_dataset
     from pipeline.core.export import vllm_command
-    from pipeline.core.quicklook import cpu_name, lookup_drafter, side_by_side, table
+    from pipeline.core.quicklook import cpu_name, lookup_drafter, side_by_side, summary, table
     from pipeline.core.targets import TargetLoader, resolve_dtype
     from pipeline.core.tuning import k_report, run_tune, serving_k, trained_k, tuned_result
     from pipeline.profiles import load_config
@@ -118,6 +126,24 @@ def see_cmd(
     labels["lookup"] = f"{title} K={trained}"
     for line in table(tallies, labels, names):
         click.echo("  " + line)
+    if json_out is not None:
+        report = {
+            "stage": "see",
+            "drafter": str(ds.ref),
+            "drafter_kind": drafter.spec.name,
+            "directory": str(directory),
+            "k": k,
+            "trained_k": trained,
+            "k_report": k_report(ds, k),
+            "prompts_per_set": prompts_per_set,
+            "max_new_tokens": max_new_tokens,
+            "sets": names,
+            "cpu": cpu_name(),
+            "dtype": resolve_dtype(loader.cfg),
+            "threads": torch.get_num_threads(),
+            "decoders": summary(tallies, labels, names),
+        }
+        json_out.write_text(json.dumps(report, indent=1))
     served = drafter.speculative_config(directory.resolve(), k)
     click.echo("serve it with:")
     click.echo(f"  {vllm_command(str(loader.directory or '<target-model-dir>'), served)}")

@@ -10,6 +10,8 @@ the glob PATTERN, so the numbers there are never typed. KIND is one of:
 - `stage-costs`: a `bench_scale_shape` run: every stage's rate, memory and bytes a token
   (option `round1`: the first Draft-OPD round's stages only);
 - `projected`: the speed-up the same run's step costs project at the embedded target's τ.
+- `see`: `opd see --json` results: a shipped drafter against plain decoding and the n-gram
+  lookup on the held-out sets (τ over every verify step, per set, speed-up, identical outputs);
 - `sft-curve`: SFT's held-out τ against the generated training tokens it read (a JSON whose
   `points` are one SFT run each: `lab/gpu/smollm2_scale.py`'s record, with token counts).
 
@@ -217,6 +219,30 @@ PROJECTED = (  # the table's header
 ).split(" | ")
 
 
+def see_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
+    rows = []
+    for r in (r for r in reports if r.result.get("stage") == "see"):
+        res = r.result
+        for d in (d for d in res["decoders"] if d["decoder"] != "plain"):
+            by_set = ", ".join(f"{s} {t:.3f}" for s, t in d["tau_by_set"].items())
+            rows.append(
+                [
+                    r.link(docs),
+                    d["label"],
+                    f"**{d['tau']:.3f}** ({by_set})",
+                    f"**{d['speedup']:.2f}×**",
+                    f"{d['identical']}/{d['prompts']}",
+                    f"{res['cpu']}, {res['dtype']}, {res['threads']} threads",
+                ]
+            )
+    return rows
+
+
+SEE = (  # the table's header
+    "report | decoder | τ (per set) | speed-up over plain decoding | identical to plain | hardware"
+).split(" | ")
+
+
 def sft_curve_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
     rows = []
     for r in reports:
@@ -250,6 +276,7 @@ TABLES: dict[str, tuple[list[str], Callable[[list[Published], Path, str], list[l
     "stage-costs": (STAGE_COSTS, stage_cost_rows),
     "projected": (PROJECTED, projected_rows),
     "sft-curve": (SFT_CURVE, sft_curve_rows),
+    "see": (SEE, see_rows),
 }
 
 

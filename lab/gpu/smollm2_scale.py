@@ -12,9 +12,14 @@ carried in as wheels; no network) it runs, under one wall-clock budget:
   sft (shares)         the same recipe on nested shares of the data, while time remains: the
                        held-out tau_sim against generated training tokens (SFT's data curve)
 
-and packs what must outlast the lease (prompts, trajectories, every sft version's manifest and
-the full run's weights, a JSON of timings and summaries) into `--out` as a tar split into parts
-small enough for the machine's file return. `cat OUT/datasets.tar.part* | tar -x -C DIR` unpacks them
+`--drafter assets/smollm2/eagle3 --corpus assets/smollm2/corpus/FILE --prompts-seed N`
+continues instead: the committed drafter is imported and trained on (its draft-vocab map
+kept), the committed corpus beside the new requests a new Magpie seed samples.
+
+It packs what must outlast the lease (prompts, trajectories, every sft version's manifest and
+the full run's weights, a JSON of timings, summaries and the curve's points) into `--out` as a
+tar split into parts small enough for the machine's file return;
+`cat OUT/datasets.tar.part* | tar -x -C DIR` unpacks them
 here. Every dataset is an ordinary versioned dataset: on a CPU the same command runs the same
 stages (use tiny `--rows` to check the script before a lease).
 
@@ -54,14 +59,15 @@ def summary_of(root: Path, ref: str) -> dict:
     return {k: manifest[k] for k in ("version", "rows", "bytes")} | manifest["meta"]
 
 
-def curve_points(root: Path, runs: dict[str, dict]) -> list[dict]:
+def curve_points(root: Path, trajectories: str, runs: dict[str, dict]) -> list[dict]:
     """One point per finished SFT run: its share's training requests and the generated tokens
     they hold (the same nested split the sft stage draws), and its last held-out validation."""
     import polars as pl
 
     from pipeline.core import training
 
-    traj = pl.read_parquet(sorted((root / "trajectories").glob("*/part-*.parquet")))
+    version = trajectories.split("@")[1]
+    traj = pl.read_parquet(sorted((root / "trajectories" / version).glob("part-*.parquet")))
     keys = traj["seq_id"].to_list()
     generated = traj.select(pl.col("loss_mask").list.sum()).to_series().to_list()
     train, _ = training.holdout_split(keys, 0.05, 0)  # sft's val_share and seed defaults
@@ -133,6 +139,21 @@ def main() -> None:
         "the ones converted here, so that both machines' targets have one identity (another "
         "transformers version writes other bytes for the same settings); the weights stay",
     )
+    ap.add_argument(
+        "--drafter",
+        type=Path,
+        help="a committed drafter export to continue from (assets/smollm2/eagle3): imported, "
+        "its draft-vocab map kept, SFT starts from its weights; no data curve then",
+    )
+    ap.add_argument(
+        "--corpus",
+        type=Path,
+        help="a committed corpus file (assets/smollm2/corpus/*.parquet): imported and trained "
+        "on beside the new generations (no data curve then either)",
+    )
+    ap.add_argument(
+        "--prompts-seed", type=int, default=0, help="Magpie's seed: a new one, new requests"
+    )
     args = ap.parse_args()
     t0 = time.monotonic()
     left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
@@ -159,8 +180,25 @@ def main() -> None:
             if f.is_file() and f.suffix in (".json", ".jinja") and f.name != "opd_target.json":
                 shutil.copyfile(f, here / f.name)
                 print(f"settings: {f.name} from {args.settings_from}", flush=True)
+    # Continuing: the committed drafter and corpus become datasets here first; every features
+    # version then reads the drafter's vocab map, and SFT starts from its weights.
+    keep: list[str] = []
+    if args.drafter is not None:
+        opd(args.root, "data", "import-drafter", str(args.drafter), *common)
+        record["drafter"] = summary_of(args.root, "sft@latest")
+        keep = ["--input", f"drafter=sft@{record['drafter']['version']}"]
+    more: list[str] = []
+    if args.corpus is not None:
+        opd(args.root, "data", "import", str(args.corpus), *common)
+        corpus = f"trajectories@{summary_of(args.root, 'trajectories@latest')['version']}"
+        stage("features", "--input", f"trajectories={corpus}", *keep)
+        more = [
+            "--input",
+            f"more_features=features@{summary_of(args.root, 'features@latest')['version']}",
+        ]
     stage(
         "prompts",
+        "--set", f"prompts.seed={args.prompts_seed}",
         "--set", "prompts.source=magpie",
         "--set", f"prompts.magpie.rows={args.rows}",
         "--set", f"prompts.magpie.max_draws={args.rows * 3}",
@@ -172,7 +210,10 @@ def main() -> None:
         "--set", f"generate.batch_size={args.batch}",
     ]  # fmt: skip
     stage("generate", *gen)
-    stage("features")
+    new = f"trajectories@{summary_of(args.root, 'trajectories@latest')['version']}"
+    stage("features", "--input", f"trajectories={new}", *keep)
+    feats = ["--input", f"features=features@{summary_of(args.root, 'features@latest')['version']}"]
+    inputs = [*feats, *more, *keep]
     record["trajectories"] = summary_of(args.root, "trajectories@latest")
 
     # bf16 autocast named, as the profile pins fp32 for CPUs without native bf16.
@@ -180,11 +221,12 @@ def main() -> None:
         "--set", f"sft.max_tokens={args.max_tokens}", "--set", "sft.batch_size=256",
         "--set", "sft.bf16=true",
     ]  # fmt: skip
-    stage("sft", *sft, "--set", f"sft.steps={args.probe_steps}", "--set", "sft.val_every=100000")
+    probe_cfg = ["--set", f"sft.steps={args.probe_steps}", "--set", "sft.val_every=100000"]
+    stage("sft", *sft, *probe_cfg, *inputs)
     probe = summary_of(args.root, "sft@latest")
     per_step = probe["seconds_this_run"] / probe["steps"]
     per_epoch = probe["steps"] / probe["epochs"]
-    shares = [float(s) for s in args.shares.split(",") if s]
+    shares = [float(x) for x in args.shares.split(",") if x and not (keep or more)]
     # The full run gets the time left (minus packing) unless its epochs end first; each share
     # run then trains the same epochs over its share while time remains.
     affordable = (left() - 45) / per_step / (1 + sum(shares))
@@ -193,7 +235,7 @@ def main() -> None:
     record["plan"] = {"steps": steps, "epochs": steps / per_epoch}
     print(f"[{time.monotonic() - t0:.0f}s] plan: {record['plan']}", flush=True)
     full_cfg = [*sft, "--set", f"sft.steps={steps}", "--set", "sft.validations=4"]
-    stage("sft", *full_cfg)
+    stage("sft", *full_cfg, *inputs)
     full = summary_of(args.root, "sft@latest")
     record["sft"] = {"1.0": full}
     for share in shares:
@@ -203,10 +245,10 @@ def main() -> None:
             continue
         stage(
             "sft", *sft, "--set", f"sft.steps={share_steps}", "--set", "sft.validations=2",
-            "--set", f"sft.train_share={share}",
+            "--set", f"sft.train_share={share}", *inputs,
         )  # fmt: skip
         record["sft"][str(share)] = summary_of(args.root, "sft@latest")
-    record["points"] = curve_points(args.root, record["sft"])
+    record["points"] = [] if keep or more else curve_points(args.root, new, record["sft"])
     record["seconds"]["total"] = round(time.monotonic() - t0, 1)
     parts = pack(args.root, args.out, full["version"], record)
     print(json.dumps({"parts": [p.name for p in parts], "record": record}, indent=1))

@@ -99,6 +99,24 @@ def side_by_side(
     return tallies
 
 
+def summary(tallies: dict[str, Tally], labels: dict[str, str], sets: list[str]) -> list[dict]:
+    """The result as data (what `table` prints), one entry per decoder, plain decoding first."""
+    plain_tps = tallies["plain"].tokens / tallies["plain"].seconds
+    out = []
+    for name, tally in tallies.items():
+        tps = tally.tokens / tally.seconds
+        entry = {"decoder": name, "label": labels[name], "tokens_per_s": round(tps, 2)}
+        entry["speedup"] = round(tps / plain_tps, 4)
+        if name != "plain":
+            entry |= {"tau": round(tally.tau(), 4), "identical": tally.identical}
+            entry |= {
+                "prompts": tally.prompts,
+                "tau_by_set": {s: round(tally.tau(s), 4) for s in sets},
+            }
+        out.append(entry)
+    return out
+
+
 def table(tallies: dict[str, Tally], labels: dict[str, str], sets: list[str]) -> list[str]:
     """The result as text lines: τ (all and per set), tokens/s, speed-up over plain decoding
     and outputs identical to plain decoding's."""

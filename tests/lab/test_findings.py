@@ -135,3 +135,26 @@ def test_the_sft_curve_is_rendered_from_a_published_record_in_token_order(tmp_pa
     rows = [line for line in out.splitlines() if line.startswith("| [smollm2-curve]")]
     assert [r.split(" | ")[3] for r in rows] == ["0.13M", "1.26M"]
     assert "**1.260**" in rows[0] and "**1.934**" in rows[1] and rows[1].endswith("| H200 |")
+
+
+def test_an_opd_see_result_renders_one_row_per_drafting_decoder(tmp_path):
+    decoders = [
+        {"decoder": "plain", "label": "plain decoding", "tokens_per_s": 20.0, "speedup": 1.0},
+        {"decoder": "drafter", "label": "EAGLE-3 K=1", "tokens_per_s": 23.0, "speedup": 1.15}
+        | {"tau": 1.3, "identical": 24, "prompts": 24, "tau_by_set": {"gsm8k": 1.31}},
+    ]
+    saved = tmp_path / "see.json"
+    saved.write_text(
+        json.dumps(
+            {"stage": "see", "cpu": "Xeon", "dtype": "float32", "threads": 2}
+            | {"decoders": decoders}
+        )
+    )
+    into = tmp_path / "lab" / "published"
+    publish(Store(tmp_path / "data"), str(saved), "smollm2-see", into=into)
+    docs = tmp_path / "docs" / "findings.md"
+    docs.parent.mkdir()
+    out = findings.render("<!-- findings: see smollm2-* -->\n<!-- /findings -->\n", docs, into)
+    [row] = [line for line in out.splitlines() if line.startswith("| [smollm2-see]")]
+    assert "| EAGLE-3 K=1 | **1.300** (gsm8k 1.310) | **1.15×** | 24/24 |" in row
+    assert row.endswith("| Xeon, float32, 2 threads |")
