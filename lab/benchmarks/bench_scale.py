@@ -34,7 +34,7 @@ from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
 from storage import Store
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _opd(root: Path, *args: str) -> float:

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.target import Target, load_target
 
-EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny_target" / "model"
+EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
 
 
 def embedded_or_random_target(seed: int = 0) -> tuple[Target, str]:

@@ -39,7 +39,7 @@ from models.target import Target, load_target
 from models.verify import Typical
 from models.vocab import DraftVocab
 
-EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny_target" / "model"
+EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny_target" / "model"
 PREFIXES = ("def __init__(self, ", "import os\nimport ", "    for i in range(", "return self.")
 MODES = ("plain", "rejection", "typical")
 Z_1E6 = 4.753  # the standard normal's upper 1e-6 quantile
