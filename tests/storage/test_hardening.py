@@ -213,12 +213,17 @@ def test_gc_removes_work_dirs_of_committed_versions_and_stale_temporaries(tmp_pa
     stale = [
         tmp_path / "prompts" / f".LATEST.tmp-{dead}",
         tmp_path / "_runs" / f".r.json.tmp-{dead}",
+        tmp_path / "_baseline" / f".key.json.tmp-{dead}",  # an evaluation's free-baseline cache
         store.verify_cache(ds.ref) / f".part-0.parquet.ok.tmp-{dead}",
         tmp_path / f".write-probe-{dead}",
         running / f".step-00000006.tmp-{dead}",
         ds.path.with_name(f".{v}.replaced-{dead}"),
     ]
-    live = [tmp_path / "prompts" / f".LATEST.tmp-{alive}", running / f".step-00000008.tmp-{alive}"]
+    live = [
+        tmp_path / "prompts" / f".LATEST.tmp-{alive}",
+        tmp_path / "_baseline" / f".key.json.tmp-{alive}",
+        running / f".step-00000008.tmp-{alive}",
+    ]
     for p in stale + live:
         p.parent.mkdir(parents=True, exist_ok=True)
         if "step" in p.name or "replaced" in p.name:
