@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from models.tiny_target.tokenizer import EOS, train_bpe
+from pipeline.core.prompt_sources import magpie
 from pipeline.core.runner import run_stage
 from pipeline.stages import prompts
-from pipeline.stages.prompt_sources import magpie
 from pipeline.stages.prompts import PromptsConfig, build_rows, source_rows, user_rows, version_extra
 
 MODULE = textwrap.dedent(

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from models.tiny_target.tokenizer import CHAT_TEMPLATE
-from pipeline.stages.prompt_sources.common import (
+from pipeline.core.prompt_sources.common import (
     ROLES,
     SPLITS,
     Row,
@@ -23,12 +23,12 @@ from pipeline.stages.prompt_sources.common import (
     _require_fast,
     _split_ids,
 )
-from pipeline.stages.prompt_sources.hf_datasets import HfSource, _read_hf_rows
+from pipeline.core.prompt_sources.hf_datasets import HfSource, _read_hf_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pipeline.stages.prompts import PromptsConfig
+    from pipeline.core.prompt_sources.config import PromptsConfig
 
 
 def _read_user_rows(path: Path, skipped: Counter) -> list[tuple[str, dict]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from models.tiny_target import corpus
-from pipeline.stages.prompt_sources.common import (
+from pipeline.core.prompt_sources.common import (
     _BATCH,
     SPLITS,
     Row,
@@ -22,7 +22,7 @@ from pipeline.stages.prompt_sources.common import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pipeline.stages.prompts import PromptsConfig
+    from pipeline.core.prompt_sources.config import PromptsConfig
 
 
 def _import_block(tree: ast.Module, lines: list[str], max_lines: int) -> str:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pipeline.stages.prompts import PromptsConfig
+    from pipeline.core.prompt_sources.config import PromptsConfig
 
 
 SPLITS = ("train", "heldout")

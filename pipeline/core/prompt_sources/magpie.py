@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 
 from models import vllm_engine
 from models.tiny_target.tokenizer import CHAT_TEMPLATE
+from pipeline.core.prompt_sources.chat_files import _bucket_split, _chat_row, _row
+from pipeline.core.prompt_sources.common import Row
 from pipeline.core.targets import resolve_backend
-from pipeline.stages.prompt_sources.chat_files import _bucket_split, _chat_row, _row
-from pipeline.stages.prompt_sources.common import Row
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pipeline.stages.prompts import PromptsConfig
+    from pipeline.core.prompt_sources.config import PromptsConfig
 
 
 _USER_SLOT = "\u2063OPD-USER-TURN\u2063"  # text no template or user writes

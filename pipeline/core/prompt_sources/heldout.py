@@ -6,13 +6,13 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.stages.prompt_sources.chat_files import _read_user_rows, _record_rows
-from pipeline.stages.prompt_sources.common import Row
+from pipeline.core.prompt_sources.chat_files import _read_user_rows, _record_rows
+from pipeline.core.prompt_sources.common import Row
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pipeline.stages.prompts import PromptsConfig
+    from pipeline.core.prompt_sources.config import PromptsConfig
 
 
 HUMANEVAL = "humaneval"
