@@ -57,7 +57,6 @@ def see_cmd(
     SmolLM2 EAGLE-3 drafter) and decode held-out prompts with it at the K `opd tune` measures
     fastest here, beside plain decoding and the n-gram lookup (batch 1, T=0): τ over every
     verify step, speed-up, outputs identical to plain decoding; then the `vllm serve` command."""
-    import json
     from collections import Counter
 
     import torch
@@ -68,7 +67,14 @@ def see_cmd(
     from pipeline.core.drafter_import import recorded_target as drafter_target
     from pipeline.core.drafters import load_drafter_dataset
     from pipeline.core.export import vllm_command
-    from pipeline.core.quicklook import cpu_name, lookup_drafter, side_by_side, summary, table
+    from pipeline.core.quicklook import (
+        cpu_name,
+        lookup_drafter,
+        side_by_side,
+        summary,
+        table,
+        write_report,
+    )
     from pipeline.core.targets import TargetLoader, resolve_dtype
     from pipeline.core.tuning import k_report, run_tune, serving_k, trained_k, tuned_result
     from pipeline.profiles import load_config
@@ -127,23 +133,11 @@ def see_cmd(
     for line in table(tallies, labels, names):
         click.echo("  " + line)
     if json_out is not None:
-        report = {
-            "stage": "see",
-            "drafter": str(ds.ref),
-            "drafter_kind": drafter.spec.name,
-            "directory": str(directory),
-            "k": k,
-            "trained_k": trained,
-            "k_report": k_report(ds, k),
-            "prompts_per_set": prompts_per_set,
-            "max_new_tokens": max_new_tokens,
-            "sets": names,
-            "cpu": cpu_name(),
-            "dtype": resolve_dtype(loader.cfg),
-            "threads": torch.get_num_threads(),
-            "decoders": summary(tallies, labels, names),
-        }
-        json_out.write_text(json.dumps(report, indent=1))
+        facts = {"drafter": str(ds.ref), "drafter_kind": drafter.spec.name, "k": k}
+        facts |= {"trained_k": trained, "k_report": k_report(ds, k), "directory": str(directory)}
+        facts |= {"prompts_per_set": prompts_per_set, "max_new_tokens": max_new_tokens}
+        facts |= {"dtype": resolve_dtype(loader.cfg), "threads": torch.get_num_threads()}
+        write_report(json_out, facts, summary(tallies, labels, names), names)
     served = drafter.speculative_config(directory.resolve(), k)
     click.echo("serve it with:")
     click.echo(f"  {vllm_command(str(loader.directory or '<target-model-dir>'), served)}")

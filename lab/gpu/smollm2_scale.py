@@ -116,7 +116,7 @@ def pack(root: Path, out: Path, sft_full: str, record: dict) -> list[Path]:
     return parts
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
@@ -154,7 +154,11 @@ def main() -> None:
     ap.add_argument(
         "--prompts-seed", type=int, default=0, help="Magpie's seed: a new one, new requests"
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     t0 = time.monotonic()
     left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
     record: dict = {

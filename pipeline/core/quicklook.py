@@ -12,6 +12,7 @@ decoders are the ones `evaluate` runs (`pipeline.core.decoders.decoder`,
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 from dataclasses import dataclass, field
@@ -115,6 +116,12 @@ def summary(tallies: dict[str, Tally], labels: dict[str, str], sets: list[str]) 
             }
         out.append(entry)
     return out
+
+
+def write_report(path: Path, facts: dict, decoders: list[dict], sets: list[str]) -> None:
+    """`opd see --json`: what ran (`facts`), on which CPU, and each decoder's `summary`."""
+    report = {"stage": "see", **facts, "sets": sets, "cpu": cpu_name(), "decoders": decoders}
+    path.write_text(json.dumps(report, indent=1))
 
 
 def table(tallies: dict[str, Tally], labels: dict[str, str], sets: list[str]) -> list[str]:
