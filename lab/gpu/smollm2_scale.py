@@ -116,6 +116,31 @@ def pack(root: Path, out: Path, sft_full: str, record: dict) -> list[Path]:
     return parts
 
 
+def sft_flags(args: argparse.Namespace) -> list[str]:
+    # bf16 autocast named, as the profile pins fp32 for CPUs without native bf16.
+    return [
+        "--set", f"sft.max_tokens={args.max_tokens}", "--set", "sft.batch_size=256",
+        "--set", "sft.bf16=true",
+    ]  # fmt: skip
+
+
+def corpus_curve(args, corpus: str, features: str, stage, left) -> dict:
+    """SFT from scratch on nested shares of the committed corpus, at the committed drafter's
+    epochs, while time remains: the data curve below the point the committed drafter is."""
+    runs: dict[str, dict] = {}
+    for share in [float(x) for x in args.corpus_shares.split(",") if x]:
+        if left() < 200:  # the new data and the continued run come first
+            runs[str(share)] = {"skipped": f"{left():.0f} s left"}
+            continue
+        stage(
+            "sft", *sft_flags(args), "--set", f"sft.epochs={args.corpus_epochs}",
+            "--set", "sft.validations=2", "--set", f"sft.train_share={share}",
+            "--input", f"features={features}",
+        )  # fmt: skip
+        runs[str(share)] = summary_of(args.root, "sft@latest")
+    return {"runs": runs, "points": curve_points(args.root, corpus, runs)}
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, required=True)
@@ -153,6 +178,25 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--prompts-seed", type=int, default=0, help="Magpie's seed: a new one, new requests"
+    )
+    ap.add_argument(
+        "--system",
+        action="append",
+        default=[],
+        help="a system message Magpie's draws rotate through (prompts.magpie.systems; repeat "
+        "it; '' is the template's default): steers what the new requests are about",
+    )
+    ap.add_argument(
+        "--corpus-shares",
+        default="",
+        help="with --corpus: nested shares of the committed corpus trained from scratch first, "
+        "at the committed drafter's epochs (the data curve's points below its full run)",
+    )
+    ap.add_argument(
+        "--corpus-epochs",
+        type=float,
+        default=3.05,
+        help="epochs of each --corpus-shares run: the committed drafter's (provenance.json)",
     )
     return ap.parse_args()
 
@@ -196,10 +240,9 @@ def main() -> None:
         opd(args.root, "data", "import", str(args.corpus), *common)
         corpus = f"trajectories@{summary_of(args.root, 'trajectories@latest')['version']}"
         stage("features", "--input", f"trajectories={corpus}", *keep)
-        more = [
-            "--input",
-            f"more_features=features@{summary_of(args.root, 'features@latest')['version']}",
-        ]
+        corpus_features = f"features@{summary_of(args.root, 'features@latest')['version']}"
+        more = ["--input", f"more_features={corpus_features}"]
+        record["corpus_curve"] = corpus_curve(args, corpus, corpus_features, stage, left)
     stage(
         "prompts",
         "--set", f"prompts.seed={args.prompts_seed}",
@@ -208,6 +251,7 @@ def main() -> None:
         "--set", f"prompts.magpie.max_draws={args.rows * 3}",
         "--set", f"prompts.magpie.batch_size={args.batch}",
         "--set", f"prompts.max_train_rows={args.rows}",
+        *(["--set", f"prompts.magpie.systems={json.dumps(args.system)}"] if args.system else []),
     )  # fmt: skip
     gen = [
         "--set", f"generate.max_new_tokens={args.max_new_tokens}",
@@ -220,11 +264,7 @@ def main() -> None:
     inputs = [*feats, *more, *keep]
     record["trajectories"] = summary_of(args.root, "trajectories@latest")
 
-    # bf16 autocast named, as the profile pins fp32 for CPUs without native bf16.
-    sft = [
-        "--set", f"sft.max_tokens={args.max_tokens}", "--set", "sft.batch_size=256",
-        "--set", "sft.bf16=true",
-    ]  # fmt: skip
+    sft = sft_flags(args)
     probe_cfg = ["--set", f"sft.steps={args.probe_steps}", "--set", "sft.val_every=100000"]
     stage("sft", *sft, *probe_cfg, *inputs)
     probe = summary_of(args.root, "sft@latest")

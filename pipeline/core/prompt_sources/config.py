@@ -28,6 +28,14 @@ class MagpieConfig(StrictConfig):
     max_draws: int = Field(4000, ge=1)
     """Stop after this many samples even if fewer rows passed the filter (a model that never
     ends a user turn would otherwise sample forever)."""
+    systems: list[str] | None = optional_field(
+        "system messages the draws rotate through, one per batch (unset: the template's default)"
+    )
+    """A small instruct model asked with its default system message writes mostly everyday chat
+    requests; told it is a coding or a math assistant, it writes coding or math ones. They steer
+    the requests only: the rows carry the user turn alone, so answers are generated (and
+    drafters trained) under the template's default, as benchmarks ask. Unset leaves the
+    versions made before this setting unchanged."""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """Sampling engine, as generate.backend: `auto` is vLLM where it is installed and takes the
     target, else HF; the resolved engine enters the version."""

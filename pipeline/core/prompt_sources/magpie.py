@@ -20,12 +20,14 @@ if TYPE_CHECKING:
 _USER_SLOT = "\u2063OPD-USER-TURN\u2063"  # text no template or user writes
 
 
-def user_prefix(tokenizer: PreTrainedTokenizerBase) -> str:
-    """The chat template's text up to where a (first) user message's content begins."""
+def user_prefix(tokenizer: PreTrainedTokenizerBase, system: str = "") -> str:
+    """The chat template's text up to where a (first) user message's content begins, after
+    `system` as the system message (empty: the template's default)."""
     template = tokenizer.chat_template or CHAT_TEMPLATE
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _USER_SLOT}], chat_template=template, tokenize=False
-    )
+    messages = [{"role": "user", "content": _USER_SLOT}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
     return text[: text.index(_USER_SLOT)]
 
 
@@ -57,7 +59,10 @@ def magpie_rows(
     from models.decoding import target_generate
 
     m = cfg.magpie
-    prefix_ids = tokenizer(user_prefix(tokenizer), add_special_tokens=False)["input_ids"]
+    prefixes = [
+        tokenizer(user_prefix(tokenizer, system), add_special_tokens=False)["input_ids"]
+        for system in m.systems or [""]
+    ]
     skipped: Counter = Counter()
     seen: set[str] = set()
     rows: list[Row] = []
@@ -65,6 +70,7 @@ def magpie_rows(
         for batch in range((m.max_draws + m.batch_size - 1) // m.batch_size):
             n = min(m.batch_size, m.max_draws - batch * m.batch_size)
             first = cfg.seed * 1_000_003 + batch * m.batch_size
+            prefix_ids = prefixes[batch % len(prefixes)]
             if engine is not None:  # one seed per draw: distinct samples of one prompt
                 drawn = vllm_engine.generate(
                     engine,

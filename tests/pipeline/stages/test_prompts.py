@@ -636,6 +636,44 @@ def test_magpie_samples_distinct_user_turns_from_the_target(tiny, monkeypatch):
     assert sum(skipped.values()) + len(rows) <= 64
 
 
+def test_magpie_system_messages_steer_the_draws_and_stay_out_of_the_rows(tiny, monkeypatch):
+    store, ctx, _, _ = tiny
+    tok, target = ctx.target_loader.tokenizer, ctx.target_loader.target
+    systems = ["You write Python functions.", "You solve math word problems."]
+    cfg = PromptsConfig(
+        source="magpie",
+        heldout_per_mille=0,
+        magpie={"rows": 6, "max_new_tokens": 12, "batch_size": 2, "max_draws": 6, "backend": "hf"},
+    )
+    drawn_after: list[str] = []
+
+    def fake_generate(target, prompts, max_new_tokens, temperature, seed):
+        from models.decoding import GenerateResult
+
+        drawn_after.extend(tok.decode(p) for p in prompts)
+        n = len(drawn_after)
+        sequences = [tok(f"Request number {n - i} about anything", add_special_tokens=False)[
+            "input_ids"] for i in range(len(prompts))]  # fmt: skip
+        return GenerateResult(
+            sequences=sequences, finish_reasons=["eos"] * len(prompts), target_forwards=0
+        )
+
+    monkeypatch.setattr("models.decoding.target_generate", fake_generate)
+    rows, _ = magpie.magpie_rows(cfg, tok, target, progress=False)
+    default_prefix = magpie.user_prefix(tok)
+    assert len(drawn_after) == 6 and not any("Python" in p or "math" in p for p in drawn_after)
+
+    drawn_after.clear()
+    steered = cfg.model_copy(update={"magpie": cfg.magpie.model_copy(update={"systems": systems})})
+    rows, _ = magpie.magpie_rows(steered, tok, target, progress=False)
+    # One system message a batch, in turn; every row is the user turn alone, under the default.
+    assert [("Python" in p, "math" in p) for p in drawn_after] == [
+        (True, False), (True, False), (False, True), (False, True), (True, False), (True, False)
+    ]  # fmt: skip
+    assert len(rows) == 6 and all(r["prompt_text"].startswith(default_prefix) for r in rows)
+    assert not any(s in r["prompt_text"] for r in rows for s in systems)
+
+
 def test_usable_request_keeps_sentences_and_drops_fragments():
     assert magpie._usable_request("Can you suggest a recipe for dinner tonight?")
     assert not magpie._usable_request("hi")
