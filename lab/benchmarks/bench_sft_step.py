@@ -196,7 +196,7 @@ class Step:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             features = Features(self.ids, self.aux, self.last)
             (out,) = self.module((features, self.mask, None, self.args.ttt))
-        if loss_path == "unfused" and isinstance(out.logits, list):  # a chain's HeadLogits
+        if loss_path == "unfused" and isinstance(out.logits, list):  # the unroll's HeadLogits
             out.logits = [materialized(x) for x in out.logits]
         loss = self.drafter.sft_loss(out, teacher, self.last, decay=0.8, objective=None)
         times["forward_s"] = time.perf_counter() - start
