@@ -8,8 +8,9 @@ forward's blocks, and the functions below are its loss, its teacher-forced accep
 logits along replays; each kind builds its blocks its own way (models/dflash/train.py,
 models/medusa/train.py). A training forward's slots are `HeadLogits` (DFlash's share one head,
 each Medusa head has its own), which the loss reads through the fused, chunked head of
-models/head_loss.py, every slot's teacher read in place. A block's slots are also drafted alike, in decoding (`block_chain`) and
-in replays (`block_replay`): each slot from its own q, which no earlier draft changes.
+models/head_loss.py, every slot's teacher read in place. A block's slots are also drafted
+alike, in decoding (`block_chain`) and in replays (`block_replay`): each slot from its own q,
+which no earlier draft changes.
 """
 
 from __future__ import annotations

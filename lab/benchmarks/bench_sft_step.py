@@ -242,7 +242,7 @@ def peak_rss(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         child = [*argv, "--one-step", "--loss", path, "--bf16", bf16, "--teacher", "cached"]
         child = [a for a in child if a != "--peak-rss"]
         done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.bench_sft_step", *child],
+            [sys.executable, "-m", "lab.benchmarks.bench_sft_step", *child],
             capture_output=True,
             text=True,
             check=True,
