@@ -6,20 +6,31 @@ A block at anchor position a drafts x_{a+1}, ..., x_{a+K} (slot k drafts x_{a+k}
 teacher is the target's distribution at position a+k-1. `BlockUnroll` holds one training
 forward's blocks, and the functions below are its loss, its teacher-forced acceptance and its
 logits along replays; each kind builds its blocks its own way (models/dflash/train.py,
-models/medusa/train.py). A block's slots are also drafted alike, in decoding (`block_chain`) and
-in replays (`block_replay`): each slot from its own q, which no earlier draft changes.
+models/medusa/train.py). A training forward's slots are `HeadLogits` (DFlash's share one head,
+each Medusa head has its own), which the loss reads through the fused, chunked head of
+models/head_loss.py, every slot's teacher read in place. A block's slots are also drafted
+alike, in decoding (`block_chain`) and in replays (`block_replay`): each slot from its own q,
+which no earlier draft changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from models.acceptance import AcceptanceStats
 from models.drafter import Proposal, Replayed
-from models.losses import acceptance_rate, soft_cross_entropy, teacher_draft_probs
+from models.head_loss import HeadLogits, head_loss
+from models.losses import (
+    Logits,
+    acceptance_rate,
+    materialized,
+    soft_cross_entropy,
+    teacher_draft_probs,
+)
 from models.vocab import DraftVocab
 
 
@@ -27,10 +38,14 @@ from models.vocab import DraftVocab
 class BlockUnroll:
     """One training forward's blocks: per batch row A anchors, K drafted slots each."""
 
-    logits: Tensor  # [N, A, K, Vd] fp32: slot k+1 of each block
+    logits: list[Logits]  # [K] of [N, A, Vd]: slot k+1 of each block (`HeadLogits` or fp32)
     anchors: Tensor  # [N, A] anchor positions
     valid: Tensor  # [N, A, K] bool: the slot's label exists and is trained on
-    replayed: Tensor | None = None  # [R, K, Vd] fp32: the block at each replay's anchor, in order
+    replayed: Logits | None = None  # [R, K, Vd]: the block at each replay's anchor, in order
+
+    def stacked(self) -> Tensor:
+        """The slots' logits [N, A, K, Vd] fp32, computed whole (the unfused path)."""
+        return torch.stack([materialized(x) for x in self.logits], dim=2)
 
 
 def at_slots(per_position: Tensor, anchors: Tensor, steps: int) -> Tensor:
@@ -43,13 +58,17 @@ def at_slots(per_position: Tensor, anchors: Tensor, steps: int) -> Tensor:
     return gathered.view(*index.shape, *rest)
 
 
+def _check_decay(decay: float) -> None:
+    if not 0 < decay <= 1:
+        raise ValueError(f"decay must lie in (0, 1], got {decay}")
+
+
 def block_loss(logits: Tensor, teacher: Tensor, valid: Tensor, decay: float) -> Tensor:
     """Position-decayed soft cross-entropy: sum_k decay^(k-1) * mean over valid blocks of
     -sum_v p_v log q_v at slot k. logits, teacher [N, A, K, Vd]; valid [N, A, K]. The decay
     (0.8 per slot: exp(-(k-1)/4.5), near the public trainers' gamma 4 for B=8) spends the
     gradient where acceptance is decided: a slot only counts if every slot before it did."""
-    if not 0 < decay <= 1:
-        raise ValueError(f"decay must lie in (0, 1], got {decay}")
+    _check_decay(decay)
     return sum(
         decay**k * soft_cross_entropy(logits[:, :, k], teacher[:, :, k], valid[:, :, k])
         for k in range(logits.shape[2])
@@ -57,10 +76,45 @@ def block_loss(logits: Tensor, teacher: Tensor, valid: Tensor, decay: float) -> 
 
 
 def sft_block_loss(out: BlockUnroll, teacher: Tensor, decay: float) -> Tensor:
-    """`block_loss` of an unroll against the target's draft-vocab distribution teacher [N, T, Vd]."""
-    return block_loss(
-        out.logits, at_slots(teacher, out.anchors, out.logits.shape[2]), out.valid, decay
-    )
+    """`block_loss` of an unroll against the target's draft-vocab distribution teacher [N, T, Vd]
+    (fused when every slot is a `HeadLogits`, else on the logits and teachers gathered whole)."""
+    if out.logits and all(isinstance(x, HeadLogits) for x in out.logits):
+        return _fused_block_loss(out.logits, out.anchors, out.valid, teacher, decay)
+    logits = out.stacked()
+    return block_loss(logits, at_slots(teacher, out.anchors, logits.shape[2]), out.valid, decay)
+
+
+def _fused_block_loss(
+    slots: Sequence[HeadLogits], anchors: Tensor, valid: Tensor, teacher: Tensor, decay: float
+) -> Tensor:
+    """`block_loss` as one fused pass per head over its slots' valid rows (all of DFlash's
+    slots share one head: one head-gradient buffer for the block, not one a slot; each Medusa
+    head has its own), slot k's teacher read in place at position anchor+k, never gathered
+    into [N, A, K, Vd]. slots K of [N, A, Vd]; anchors [N, A]; valid [N, A, K]; teacher
+    [N, T, Vd]."""
+    _check_decay(decay)
+    if valid.shape != (*anchors.shape, len(slots)):
+        raise ValueError(
+            f"valid has shape {tuple(valid.shape)}, expected {(*anchors.shape, len(slots))}"
+        )
+    groups: dict[tuple, list[int]] = {}  # slots that read one head alike
+    for k, x in enumerate(slots):
+        if x.shape[:-1] != anchors.shape:
+            raise ValueError(f"slot {k} has shape {tuple(x.shape)}, anchors {tuple(anchors.shape)}")
+        groups.setdefault((id(x.weight), x.dtype, x.scale, x.chunk_elements), []).append(k)
+    total = []
+    for ks in groups.values():
+        hidden, items, positions, weights = [], [], [], []
+        for k in ks:
+            n, a = valid[:, :, k].nonzero(as_tuple=True)  # [M_k] each
+            hidden.append(slots[k].hidden[n, a])  # [M_k, H]
+            items.append(n)
+            positions.append(anchors[n, a] + k)
+            weights.append(torch.full((len(n),), decay**k / max(len(n), 1), device=valid.device))
+        rows = replace(slots[ks[0]], hidden=torch.cat(hidden))  # [sum M_k, H]
+        index = (torch.cat(items), torch.cat(positions))
+        total.append(head_loss(rows, teacher, index, torch.cat(weights)))
+    return torch.stack(total).sum()
 
 
 @torch.no_grad()
@@ -69,16 +123,20 @@ def block_acceptance(
 ) -> AcceptanceStats:
     """AcceptanceStats per slot of an unroll; target_logits [N, T, V] at every position. A
     block's leading hits are what greedy decoding accepts there (module docstring)."""
-    K = out.logits.shape[2]
+    K = len(out.logits)
     if not 1 <= chain_k <= K:
         raise ValueError(f"chain_k must be in [1, {K}] (the drafted slots), got {chain_k}")
     stats = AcceptanceStats.zeros(K, chain_k, target_logits.device)
     choice = at_slots(target_logits.argmax(-1), out.anchors, K)  # [N, A, K]
-    hit = (vocab.to_target(out.logits.argmax(-1)) == choice) & out.valid
-    if expected:
-        p = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False)  # [N, T, Vd]
-        alpha = acceptance_rate(out.logits.softmax(-1), at_slots(p, out.anchors, K))
-        stats.alpha_sum = (alpha * out.valid).sum((0, 1)).double()
+    hit = torch.zeros_like(out.valid)
+    p = teacher_draft_probs(target_logits, vocab, 1.0, renormalize=False) if expected else None
+    for k, logits in enumerate(out.logits):  # the head on the slots that count only
+        n, a = out.valid[:, :, k].nonzero(as_tuple=True)  # [M] each
+        rows = logits[n, a]  # [M, Vd]
+        hit[n, a, k] = vocab.to_target(rows.argmax(-1)) == choice[n, a, k]
+        if p is not None:  # [N, T, Vd] read at each slot's position a+k
+            alpha = acceptance_rate(materialized(rows).softmax(-1), p[n, out.anchors[n, a] + k])
+            stats.alpha_sum[k] = alpha.double().sum()
     stats.hits = hit.sum((0, 1)).double()
     stats.valid = out.valid.sum((0, 1)).double()
     chain_valid = out.valid[..., :chain_k].all(-1)  # [N, A]
@@ -88,11 +146,12 @@ def block_acceptance(
     return stats
 
 
-def block_replay_logits(out: BlockUnroll, anchor: Tensor) -> Tensor:
-    """The drafter's logits [R, K, Vd] along each replay of an unroll given replays."""
-    if out.replayed is None or len(out.replayed) != len(anchor):
+def block_replay_logits(out: BlockUnroll, anchor: Tensor, *, lazy: bool = False) -> Logits:
+    """The drafter's logits [R, K, Vd] along each replay of an unroll given replays (with
+    `lazy`, a `HeadLogits` where the unroll's are one, as DFlash's)."""
+    if out.replayed is None or out.replayed.shape[0] != len(anchor):
         raise ValueError("replay_logits needs the unroll that was given these replays")
-    return out.replayed
+    return out.replayed if lazy else materialized(out.replayed)
 
 
 class BlockTraining:
@@ -119,8 +178,8 @@ class BlockTraining:
 
     def replay_logits(
         self, out: BlockUnroll, item: Tensor, anchor: Tensor, *, lazy: bool = False
-    ) -> Tensor:
-        return block_replay_logits(out, anchor)
+    ) -> Logits:
+        return block_replay_logits(out, anchor, lazy=lazy)
 
     def rollout_ce_loss(
         self, out: BlockUnroll, teacher: Tensor, item: Tensor, anchor: Tensor, decay: float

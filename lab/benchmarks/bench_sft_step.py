@@ -196,7 +196,7 @@ class Step:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             features = Features(self.ids, self.aux, self.last)
             (out,) = self.module((features, self.mask, None, self.args.ttt))
-        if loss_path == "unfused" and isinstance(out.logits, list):  # a chain's HeadLogits
+        if loss_path == "unfused" and isinstance(out.logits, list):  # the unroll's HeadLogits
             out.logits = [materialized(x) for x in out.logits]
         loss = self.drafter.sft_loss(out, teacher, self.last, decay=0.8, objective=None)
         times["forward_s"] = time.perf_counter() - start
@@ -242,7 +242,7 @@ def peak_rss(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         child = [*argv, "--one-step", "--loss", path, "--bf16", bf16, "--teacher", "cached"]
         child = [a for a in child if a != "--peak-rss"]
         done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.bench_sft_step", *child],
+            [sys.executable, "-m", "lab.benchmarks.bench_sft_step", *child],
             capture_output=True,
             text=True,
             check=True,

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.head_loss import HeadLogits
 from models.layers import (
     SUPPORTED_ROPE_TYPES,
     RMSNorm,
@@ -376,12 +377,15 @@ class DFlashModel(nn.Module):
         context: Sequence[tuple[Tensor, Tensor]],
         visible: Tensor,
         drafts: int | None = None,
-    ) -> Tensor:
+        *,
+        lazy_head: bool = False,
+    ) -> Tensor | HeadLogits:
         """Draft logits [N, A, K, Vd] fp32 of the drafted slots 1..K (K = `drafts`, default
         B-1) of blocks [N, A, B] anchored at `anchor_positions` [N, A], over the per-layer
         context keys/values (`context_kv`) [N, kv, S, d] of which block a reads the slots
         `visible` [N, A, S]. The head runs on those K slots only: the anchor's slot drafts
-        nothing, and with the target's head each slot costs a [V, H] product."""
+        nothing, and with the target's head each slot costs a [V, H] product. `lazy_head`:
+        the logits as a `HeadLogits`, for a fused loss to compute a chunk at a time."""
         N, A, B = blocks.shape
         positions = anchor_positions[..., None] + torch.arange(B, device=blocks.device)
         x = self.embed_tokens(blocks).to(self.fc.weight.dtype)  # [N, A, B, H]
@@ -389,4 +393,6 @@ class DFlashModel(nn.Module):
         for layer, (k_ctx, v_ctx) in zip(self.layers, context, strict=True):
             x = layer(x, cos, sin, k_ctx, v_ctx, visible)  # [N, A, B, H]
         x = x[:, :, 1 : 1 + (B - 1 if drafts is None else drafts)]  # [N, A, K, H]
+        if lazy_head:
+            return HeadLogits.of(self.norm(x), self.lm_head.weight)
         return self.lm_head(self.norm(x)).float()  # [N, A, K, Vd]

@@ -63,7 +63,8 @@ def block_unroll(
     """The drafter over every anchor of a batch in one forward. features: aux [N, T, F] (at
     positions 0..T-1), ids [N, T]; loss_mask [N, T] bool; `steps` = K slots trained. With
     replays (item [R], anchor e [R], tokens [R, K]) each replay's block (anchor position e-1,
-    module docstring) joins its row's blocks in the same forward: `replayed` [R, K, Vd]."""
+    module docstring) joins its row's blocks in the same forward: `replayed` [R, K, Vd]. The
+    logits are `HeadLogits` of the one head (the losses compute them a chunk at a time)."""
     aux_hidden, input_ids = features.aux, features.ids
     block = drafter.config.block_size
     if not 1 <= steps <= block - 1:
@@ -88,11 +89,12 @@ def block_unroll(
     context = drafter.context_kv(aux_hidden, positions.expand(N, T))  # per layer [N, kv, T, d]
     visible = positions < everything[..., None]  # [N, A', T] context strictly before the anchor
     blocks = drafter.block_tokens(input_ids.gather(1, everything))  # [N, A', B]
-    logits = drafter(blocks, everything, context, visible, steps)  # [N, A', K, Vd]
+    logits = drafter(blocks, everything, context, visible, steps, lazy_head=True)  # [N, A', K, Vd]
     label = anchors[..., None] + torch.arange(1, steps + 1, device=device)  # [N, A, K]
     trained = keep.gather(1, label.clamp(max=T - 1).view(N, -1)).view(label.shape)
     replayed = None if replays is None else logits[item, A + column]  # [R, K, Vd]
-    return BlockUnroll(logits[:, :A], anchors, real[..., None] & (label < T) & trained, replayed)
+    valid = real[..., None] & (label < T) & trained
+    return BlockUnroll([logits[:, :A, k] for k in range(steps)], anchors, valid, replayed)
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from models.head_loss import HeadLogits
 from models.vocab import DraftVocab
 
 DEFAULT_HEADS = 4  # Medusa's default head count
@@ -109,11 +110,15 @@ class MedusaHeads(nn.Module):
                     layer.linear.weight.zero_()
                 head.weight.copy_(rows.to(head.weight.dtype))
 
-    def forward(self, last_hidden: Tensor, heads: int | None = None) -> Tensor:
-        """last_hidden [..., H] -> logits [..., K, Vd] of the first `heads` heads (all: None)."""
+    def forward(
+        self, last_hidden: Tensor, heads: int | None = None, *, lazy_head: bool = False
+    ) -> Tensor | list[HeadLogits]:
+        """last_hidden [..., H] -> logits [..., K, Vd] of the first `heads` heads (all: None).
+        `lazy_head`: each head's logits [..., Vd] as a `HeadLogits` (K of them, one weight
+        each), for a fused loss to compute a chunk at a time."""
         k = self.config.num_heads if heads is None else heads
         x = last_hidden.to(self.heads[0].weight.dtype)
-        return torch.stack(
-            [head(block(x)) for block, head in zip(self.blocks[:k], self.heads[:k], strict=True)],
-            dim=-2,
-        )  # [..., K, Vd]
+        pairs = zip(self.blocks[:k], self.heads[:k], strict=True)
+        if lazy_head:
+            return [HeadLogits.of(block(x), head.weight) for block, head in pairs]
+        return torch.stack([head(block(x)) for block, head in pairs], dim=-2)  # [..., K, Vd]

@@ -19,6 +19,7 @@ from torch import Tensor
 from models.blocks import BlockUnroll, block_replay
 from models.drafter import Replayed
 from models.features import Features, replay_inputs
+from models.losses import materialized
 from models.medusa.model import MedusaHeads
 
 
@@ -40,7 +41,9 @@ def heads_unroll(
     """The first `steps` heads at every position of a batch: features.last_hidden [N, T, H],
     ids [N, T]; loss_mask [N, T] bool (the drafted token x_{t+1+k} must be trained). With
     replays (item [R], anchor e [R], tokens [R, K]) `replayed` [R, K, Vd] are the heads at
-    position e-2 of row item (module docstring)."""
+    position e-2 of row item (module docstring). Each head's logits are a `HeadLogits` of its
+    own weight (the losses compute them a chunk at a time); the replays' few rows read K
+    heads, so they are computed whole."""
     heads = drafter.config.num_heads
     if not 1 <= steps <= heads:
         raise ValueError(
@@ -51,15 +54,15 @@ def heads_unroll(
     N, T = features.ids.shape
     device = features.ids.device
     keep = loss_mask if loss_mask is not None else torch.ones(N, T, dtype=torch.bool, device=device)
-    logits = drafter(hidden, steps).float()  # [N, T, K, Vd]
+    slots = drafter(hidden, steps, lazy_head=True)  # K of [N, T, Vd]
     anchors = torch.arange(1, T + 1, device=device).expand(N, T)  # [N, T]: a = t + 1
     label = anchors[..., None] + torch.arange(1, steps + 1, device=device)  # [N, T, K]
     trained = keep.gather(1, label.clamp(max=T - 1).view(N, -1)).view(label.shape)
     replayed = None
     if replays is not None:
         item, anchor, _ = replays
-        replayed = logits[item, anchor - 2]  # [R, K, Vd]
-    return BlockUnroll(logits, anchors, (label < T) & trained, replayed)
+        replayed = torch.stack([materialized(s[item, anchor - 2]) for s in slots], 1)  # [R, K, Vd]
+    return BlockUnroll(slots, anchors, (label < T) & trained, replayed)
 
 
 @torch.no_grad()

@@ -302,7 +302,7 @@ def test_training_blocks_equal_the_decoding_block(tiny_llama: Target):
                 drafter.context_kv(aux[row : row + 1, :a], torch.arange(a)[None]),
                 torch.ones(1, 1, a, dtype=torch.bool),
             )[0, 0]
-            assert torch.allclose(out.logits[row, j], alone, atol=1e-5)
+            assert torch.allclose(out.stacked()[row, j], alone, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
@@ -462,7 +462,7 @@ def test_unroll_with_replays_gives_each_replay_its_block(tiny_llama: Target, gre
     logits = fitted.replay_logits(out, item, anchor)  # [R, K, Vd]
     assert torch.equal(fitted.vocab.to_target(logits.argmax(-1)), tokens)
     plain = fitted.unroll(Features(ids, aux), None, 4)
-    assert torch.allclose(out.logits, plain.logits, atol=1e-5)
+    assert torch.allclose(out.stacked(), plain.stacked(), atol=1e-5)
     assert torch.equal(out.valid, plain.valid)
     logits.sum().backward()
     assert fitted.lm_head.weight.grad is not None and fitted.lm_head.weight.grad.abs().sum() > 0

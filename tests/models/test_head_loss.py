@@ -1,7 +1,8 @@
 """The fused, chunked head + loss (models/head_loss.py) against the same losses on the
 materialized logits: values and gradients (hidden states, head weights, every trainable weight
-of a drafter) equal in fp32, on every loss that reads a head and every chain kind's objective.
-A control breaks the fused gradient (a term, a chunk) and the same comparison must fail."""
+of a drafter) equal in fp32, on every loss that reads a head and every kind's objective (the
+chains' and the block drafters'). A control breaks the fused gradient (a term, a chunk) and the
+same comparison must fail."""
 
 from __future__ import annotations
 
@@ -138,14 +139,14 @@ def test_bf16_head_stays_near_the_unfused_bf16_head():
     torch.testing.assert_close(got, losses.soft_cross_entropy(plain, teacher, mask))
 
 
-# -- every chain kind's objectives, through its real training unroll -------------------------
+# -- every kind's objectives, through its real training unroll ------------------------------
 
 
-def _drafter(target: Target, kind: str):
+def _drafter(target: Target, kind: str, settings: dict | None = None):
     torch.manual_seed(0)
     counts = torch.arange(target.vocab_size, 0, -1).float()
     vocab = DraftVocab.from_counts(counts, 48 if kind != "mtp" else target.vocab_size)
-    drafter = drafter_class(kind).new(target, vocab, {})
+    drafter = drafter_class(kind).new(target, vocab, settings or {})
     with torch.no_grad():  # away from the initialisation's symmetric zeros
         for p in drafter.parameters():
             if p.requires_grad:
@@ -153,8 +154,15 @@ def _drafter(target: Target, kind: str):
     return drafter
 
 
-def _kind_grads(target: Target, kind: str, objective: str | None, fused: bool, replays: bool):
-    drafter = _drafter(target, kind)
+def _kind_grads(
+    target: Target,
+    kind: str,
+    objective: str | None,
+    fused: bool,
+    replays: bool,
+    settings: dict | None = None,
+):
+    drafter = _drafter(target, kind, settings)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, target.vocab_size, (2, 10), generator=g)
     with torch.no_grad():
@@ -186,34 +194,70 @@ def _kind_grads(target: Target, kind: str, objective: str | None, fused: bool, r
             vocab,
             temperature=0.8,
             fit_boundary=True,
+            blocks=drafter.drafts_blocks,
         ) + drafter.rollout_ce_loss(unrolled, teacher, item, anchor, 0.8)
     else:
         loss = drafter.sft_loss(unrolled, teacher, out.last_hidden, decay=0.8, objective=objective)
     loss.backward()
-    grads = {n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}
+    # a Medusa head past the unrolled offsets gets none on either path
+    grads = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize(
-    ("kind", "objective", "replays"),
-    [
-        ("eagle3", None, False),
-        ("eagle3", "eagle1", False),
-        ("eagle3", None, True),
-        ("mtp", None, False),
-        ("mtp", None, True),
-    ],
-)
-def test_every_chain_kinds_objective_has_the_unfused_gradients(
-    tiny_llama: Target, kind: str, objective: str | None, replays: bool
+KIND_CASES = [
+    ("eagle3", None, False, None),
+    ("eagle3", "eagle1", False, None),
+    ("eagle3", None, True, None),
+    ("mtp", None, False, None),
+    ("mtp", None, True, None),
+    ("dflash", None, False, None),
+    ("dflash", None, True, None),
+    ("dflash", None, False, {"head": "target"}),  # a frozen head over the full vocabulary
+    ("medusa", None, False, None),
+    ("medusa", None, True, None),
+]
+
+
+@pytest.mark.parametrize(("kind", "objective", "replays", "settings"), KIND_CASES)
+def test_every_kinds_objective_has_the_unfused_gradients(
+    tiny_llama: Target, kind: str, objective: str | None, replays: bool, settings: dict | None
 ):
-    want_loss, want = _kind_grads(tiny_llama, kind, objective, False, replays)
-    got_loss, got = _kind_grads(tiny_llama, kind, objective, True, replays)
+    want_loss, want = _kind_grads(tiny_llama, kind, objective, False, replays, settings)
+    got_loss, got = _kind_grads(tiny_llama, kind, objective, True, replays, settings)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
     assert sum(float(g.abs().sum()) for g in want.values()) > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "dflash", "medusa"])
+def test_a_broken_fused_gradient_fails_every_kinds_comparison(
+    monkeypatch, tiny_llama: Target, kind: str
+):
+    """The control for the kinds: their fused training path does run the fused backward, so
+    breaking it changes the drafter's gradients (and not the loss's value)."""
+    want_loss, want = _kind_grads(tiny_llama, kind, None, False, False)
+    monkeypatch.setattr(head_loss_module, "chunk_loss_and_grad", _drop_the_teacher_term)
+    got_loss, got = _kind_grads(tiny_llama, kind, None, True, False)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "medusa"])
+def test_block_acceptance_reads_lazy_heads_as_their_logits(tiny_llama: Target, kind: str):
+    drafter = _drafter(tiny_llama, kind)
+    ids = torch.randint(
+        0, tiny_llama.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        out = tiny_llama(ids)
+        unrolled = drafter.unroll(Features(ids, out.aux_hidden, out.last_hidden), None, 3)
+    lazy = drafter.acceptance(unrolled, out.logits, chain_k=3).summary()
+    unrolled.logits = [losses.materialized(h) for h in unrolled.logits]
+    assert drafter.acceptance(unrolled, out.logits, chain_k=3).summary() == lazy
 
 
 def test_acceptance_reads_a_lazy_head_as_its_logits(tiny_llama: Target):
