@@ -40,6 +40,7 @@ from models.export_format import (
     dtype_name,
     write_export_dir,
 )
+from models.kind_config import hf_config_dict
 from models.layers import rope_parameters_of
 from models.target import check_aux_layer_ids
 from models.vocab import DraftVocab
@@ -60,17 +61,13 @@ VLLM_EAGLE3_TARGET_FAMILIES = (
 )
 
 
-def _as_dict(target_config: Any) -> dict[str, Any]:
-    return target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
-
-
 def check_export_invariants(
     drafter: Eagle3Model,
     target_config: Any,
     target_embed_weight: Tensor | None = None,
 ) -> None:
     """Raise ExportError naming the first violated invariant between `drafter` and its target."""
-    target = _as_dict(target_config)
+    target = hf_config_dict(target_config)
     cfg = drafter.config
     num_layers, hidden, vocab_size = (
         target["num_hidden_layers"],
@@ -224,7 +221,7 @@ def export_speculators(
     if speculative_tokens < 1:
         raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
     check_export_invariants(drafter, target_config, target_embed_weight)
-    target = _as_dict(target_config)
+    target = hf_config_dict(target_config)
     cfg = drafter.config
     tensors = {
         name.replace("midlayer.", "layers.0.", 1): t

@@ -46,6 +46,7 @@ from models.export_format import (
     dtype_name,
     write_export_dir,
 )
+from models.kind_config import hf_config_dict
 from models.medusa.model import MedusaConfig, MedusaHeads
 from models.vocab import DraftVocab
 
@@ -87,7 +88,7 @@ def check_export_invariants(drafter: MedusaHeads, target_config: Any) -> None:
     """Raise ExportError naming the first invariant vLLM depends on that `drafter` breaks for
     its target (vLLM replaces the drafter's vocab size with the target's and feeds it states of
     the target's width)."""
-    target = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+    target = hf_config_dict(target_config)
     cfg = drafter.config
     for name, ours, theirs in (
         ("vocab size", cfg.vocab_size, target["vocab_size"]),
