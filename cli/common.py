@@ -1,16 +1,28 @@
-"""What several commands share: the profile option's help, logging, and the config / target a
-command line names."""
+"""What several commands share: the profile and drafter options, logging, and the config /
+target a command line names."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import click
+
 from storage import OpdError
 
 PROFILE_HELP = (
     "Config profile [default: the target the input datasets were made with, else 'default']."
 )
+
+
+DRAFTER_OPTION = click.option(
+    "--drafter",
+    "drafter_ref",
+    default="sft@latest",
+    show_default=True,
+    help="An sft or opd dataset.",
+)
+"""The drafter a command reads (`opd eval`, `opd export`): the warm-up's unless named."""
 
 
 def _stage_lines_and_problems(record) -> bool:

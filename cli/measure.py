@@ -9,6 +9,7 @@ import math
 import click
 
 from cli.common import (
+    DRAFTER_OPTION,
     PROFILE_HELP,
     check_prompts_dataset,
     command_config,
@@ -19,13 +20,7 @@ from storage import OpdError, Store, check_run_name
 
 
 @click.command("eval")
-@click.option(
-    "--drafter",
-    "drafter_ref",
-    default="sft@latest",
-    show_default=True,
-    help="An sft or opd dataset.",
-)
+@DRAFTER_OPTION
 @click.option("--prompts", "prompts_ref", default="prompts@latest", show_default=True)
 @click.option(
     "--k",

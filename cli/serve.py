@@ -6,18 +6,12 @@ from pathlib import Path
 
 import click
 
-from cli.common import PROFILE_HELP, command_config, command_target
+from cli.common import DRAFTER_OPTION, PROFILE_HELP, command_config, command_target
 from storage import OpdError, Store
 
 
 @click.command("export")
-@click.option(
-    "--drafter",
-    "drafter_ref",
-    default="sft@latest",
-    show_default=True,
-    help="An sft or opd dataset.",
-)
+@DRAFTER_OPTION
 @click.option(
     "--format",
     "fmt",

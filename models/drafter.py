@@ -30,7 +30,7 @@ accepts losslessly (see models/verify.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from models.acceptance import AcceptanceStats
+from models.export_format import ExportError
 from models.features import Features
 from models.vocab import DraftVocab
 
@@ -383,6 +384,17 @@ class ServableDrafter(Drafter):
     def read_export(cls, export_dir: Path, embed_weight: Tensor | None) -> Drafter:
         """The drafter an export of this kind holds; refuses a corrupted export by name."""
 
+    @classmethod
+    def from_export(
+        cls, export_dir: Path, config: Any, embed: Tensor | None, tensors: Mapping[str, Tensor]
+    ) -> Drafter:
+        """`from_tensors` on what an export holds (`config` the kind's config read from it), a
+        misfit refused as the `ExportError` it is."""
+        try:
+            return cls.from_tensors(config.to_dict(), embed, tensors, str(export_dir))
+        except ValueError as err:  # a tensor set or shape that does not fit the config
+            raise ExportError(str(err)) from None
+
     @abstractmethod
     def probe_logits(self, seed: int) -> Tensor:
         """Logits on a small input drawn from `seed` and the config alone (the same for every
@@ -406,6 +418,49 @@ def check_tensor_set(
             )
 
 
+def check_matches_target(
+    drafter: Any,
+    target: Any,
+    more: Sequence[tuple[str, Any, Any]] = (),
+    fix: str = "use the drafter trained for this target",
+) -> None:
+    """Refuse a target whose vocab or hidden size differs from the drafter's config, or from
+    the vocab map it holds, or that differs in any of `more` (name, the drafter's, the
+    target's), naming the first; `fix` says what to do."""
+    cfg = drafter.config
+    pairs = [
+        ("vocab size", cfg.vocab_size, target.vocab_size),
+        ("vocab map (t2d) size", drafter.t2d.numel(), target.vocab_size),
+        ("hidden size", cfg.hidden_size, target.hidden_size),
+        *more,
+    ]
+    for name, theirs, ours in pairs:
+        if theirs != ours:
+            raise ValueError(
+                f"drafter does not match the target: drafter {name} is {theirs}, target's "
+                f"is {ours}; {fix}"
+            )
+
+
+def check_trained_for(embed_weight: Tensor, config: Any, source: str) -> None:
+    """Refuse loading `source` beside an embedding not [config.vocab_size, config.hidden_size]."""
+    if tuple(embed_weight.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(
+            f"{source} was trained for a target with vocab {config.vocab_size} and hidden size "
+            f"{config.hidden_size}, but the given embedding is {tuple(embed_weight.shape)}: load "
+            "it with the target it was trained for"
+        )
+
+
+def without_embedding(module: nn.Module) -> dict[str, Tensor]:
+    """`module`'s weights and buffers but the target's `embed_tokens` (never saved)."""
+    return {
+        name: t.detach().contiguous()
+        for name, t in module.state_dict().items()
+        if not name.startswith("embed_tokens.")
+    }
+
+
 def weights_dtype(tensors: Mapping[str, Tensor], source: str) -> torch.dtype:
     """The one floating dtype a checkpoint's weights were saved in (the vocab map's integer
     and bool buffers aside); refuses a mix, which no drafter saves."""
@@ -421,10 +476,23 @@ def weights_dtype(tensors: Mapping[str, Tensor], source: str) -> torch.dtype:
 class FrozenEmbeddingDrafter(Drafter):
     """What the kinds built on the target's own embedding share (EAGLE-3, DFlash): the module
     reads the target's frozen `embed_tokens` (never trained, never saved), carries the
-    draft-vocab map as `d2t` / `t2d` buffers, runs beside that embedding, and is built as
-    `cls(config, embed_weight, vocab)`."""
+    draft-vocab map as `d2t` / `t2d` buffers, runs beside that embedding, is built as
+    `cls(config, embed_weight, vocab)` and read back from its `config_type`'s `to_dict()`."""
 
     embed_tokens: nn.Embedding
+    config_type: ClassVar[Any]  # the kind's config dataclass, read back by `from_tensors`
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config: Mapping[str, Any],
+        embed_weight: Tensor,
+        tensors: Mapping[str, Tensor],
+        source: str,
+    ) -> Drafter:
+        cfg = cls.config_type.from_dict(config)
+        check_trained_for(embed_weight, cfg, source)
+        return cls.from_checked_tensors(cfg, embed_weight, tensors, source)
 
     @classmethod
     def from_checked_tensors(
@@ -447,11 +515,7 @@ class FrozenEmbeddingDrafter(Drafter):
         return drafter
 
     def tensors(self) -> dict[str, Tensor]:
-        return {
-            name: t.detach().contiguous()
-            for name, t in self.state_dict().items()
-            if not name.startswith("embed_tokens.")
-        }
+        return without_embedding(self)
 
     def untrained(self) -> Drafter:
         fresh = type(self)(self.config, self.embed_tokens.weight, self.vocab)

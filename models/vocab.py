@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class DraftVocab:
@@ -82,3 +82,22 @@ class DraftVocab:
     def to_draft(self, target_ids: Tensor) -> Tensor:
         """Draft id of each target id, -1 where the token is not in the draft vocab."""
         return self._target_to_draft.to(target_ids.device)[target_ids]
+
+
+class VocabBuffers(nn.Module):
+    """A drafter network that carries its frozen draft vocabulary as the `d2t` / `t2d` buffers
+    (saved with its weights, under the names vLLM's checkpoints use)."""
+
+    def register_vocab(self, vocab: DraftVocab, vocab_size: int, draft_vocab_size: int) -> None:
+        """Hold `vocab`, refusing one whose sizes are not the config's."""
+        if (vocab.vocab_size, vocab.draft_vocab_size) != (vocab_size, draft_vocab_size):
+            raise ValueError(
+                f"draft vocab maps {vocab.draft_vocab_size} of {vocab.vocab_size} ids but the "
+                f"config says {draft_vocab_size} of {vocab_size}"
+            )
+        self.register_buffer("d2t", vocab.d2t.clone())
+        self.register_buffer("t2d", vocab.t2d.clone())
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.d2t, self.t2d)

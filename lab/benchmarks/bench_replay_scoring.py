@@ -7,7 +7,7 @@ timed alternately in the same process (`--repeats` rounds, medians reported):
   (b) per-anchor: E plain forwards over prefix y<e + branch, (e + K) tokens each.
 Both must give the same log-probs (the max abs difference is printed). Uses the embedded target
 (models/tiny_target/model) when it has weights, else a random Llama of the same shape (6 layers,
-hidden 256, vocab 4096). Prints JSON with seconds, tokens run and the speed-up of (a) over (b).
+hidden 256, vocab 6144). Prints JSON with seconds, tokens run and the speed-up of (a) over (b).
 
     python -m lab.benchmarks.bench_replay_scoring [--anchors 8,32,64] [--k 6] [--seq-len 512]
 """
@@ -21,30 +21,8 @@ import time
 
 import torch
 
-from models.target import Target, load_target
-from pipeline.core.targets import EMBEDDED_TARGET
-
-
-def bench_target() -> tuple[Target, str]:
-    if (EMBEDDED_TARGET / "config.json").exists():
-        return load_target(EMBEDDED_TARGET, aux_layer_ids=(1, 3, 5)), "embedded"
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Target.from_model(
-        LlamaForCausalLM(config), aux_layer_ids=(1, 3, 5)
-    ), "random llama 6x256, vocab 4096"
+from lab.benchmarks.bench_tree_scoring import embedded_or_random_target
+from models.target import Target
 
 
 @torch.no_grad()
@@ -69,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, which = bench_target()
+    target, which = embedded_or_random_target()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (args.seq_len,), generator=gen).tolist()
     results = []

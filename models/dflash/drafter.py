@@ -30,6 +30,7 @@ from models.drafter import (
     ServableDrafter,
     Shape,
     TrainableDrafter,
+    check_matches_target,
 )
 from models.vocab import DraftVocab
 
@@ -37,6 +38,7 @@ from models.vocab import DraftVocab
 class DFlashDrafter(
     DFlashModel, FrozenEmbeddingDrafter, BlockTraining, TrainableDrafter, ServableDrafter
 ):
+    config_type = DFlashConfig
     # The training forwards are train.py's functions, the drafter first.
     replay = replay_blocks
     unroll = block_unroll
@@ -94,32 +96,16 @@ class DFlashDrafter(
             fresh.take_target_head(self.lm_head.weight)
         return fresh
 
-    @classmethod
-    def from_tensors(
-        cls,
-        config: Mapping[str, Any],
-        embed_weight: Tensor,
-        tensors: Mapping[str, Tensor],
-        source: str,
-    ) -> DFlashDrafter:
-        cfg = DFlashConfig.from_dict(config)
-        return cls.from_checked_tensors(cfg, embed_weight, tensors, source)
-
     def check_target(self, target: Any) -> None:
         cfg = self.config
-        pairs = [
-            ("vocab size", cfg.vocab_size, target.vocab_size),
-            ("vocab map (t2d) size", self.t2d.numel(), target.vocab_size),
-            ("hidden size", cfg.hidden_size, target.hidden_size),
-            ("target layer count", cfg.target_num_layers, target.num_layers),
-            ("target layer ids", tuple(cfg.target_layer_ids), tuple(target.aux_layer_ids)),
-        ]
-        for name, theirs, ours in pairs:
-            if theirs != ours:
-                raise ValueError(
-                    f"drafter does not match the target: drafter {name} is {theirs}, target's "
-                    f"is {ours}; use the drafter trained for this target"
-                )
+        check_matches_target(
+            self,
+            target,
+            [
+                ("target layer count", cfg.target_num_layers, target.num_layers),
+                ("target layer ids", tuple(cfg.target_layer_ids), tuple(target.aux_layer_ids)),
+            ],
+        )
         self.check_embedding(target)
         if self.config.head == "target":
             ours, head = target.lm_head_weight, self.lm_head.weight
@@ -152,7 +138,7 @@ class DFlashDrafter(
         if embed_weight is None:
             raise ValueError(f"{export_dir}: a DFlash export has no embedding; pass the target's")
         config, tensors = read_dflash_export(export_dir)
-        return cls.from_tensors(config.to_dict(), embed_weight, tensors, str(export_dir))
+        return cls.from_export(export_dir, config, embed_weight, tensors)
 
     @torch.no_grad()
     def probe_logits(self, seed: int) -> Tensor:

@@ -23,11 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from models.dflash.model import DEFAULT_HEAD, DFlashConfig, DFlashModel
-from models.export_format import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE
+from models.export_format import (
+    CONFIG_FILE,
+    PROVENANCE_KEY,
+    WEIGHTS_FILE,
+    cast_weights,
+    dtype_name,
+    write_export_dir,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -83,24 +90,12 @@ def export_dflash(
     if not isinstance(drafter, DFlashModel):
         raise ValueError(f"a {drafter.kind} drafter cannot be exported in the dflash format")
     cfg = drafter.config
-    tensors = {
-        name: t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        for name, t in drafter.tensors().items()
-    }
+    tensors = cast_weights(drafter.tensors(), dtype)
     if cfg.draft_vocab_size == cfg.vocab_size:
         del tensors["d2t"], tensors["t2d"]
     config = dflash_config_json(cfg, target_identity)
-    config["torch_dtype"] = str(tensors["fc.weight"].dtype).removeprefix("torch.")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, write in (
-        (WEIGHTS_FILE, lambda p: save_file(tensors, str(p))),
-        (CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True))),
-    ):
-        tmp = out / f"{name}.tmp"
-        write(tmp)
-        os.replace(tmp, out / name)
-    return out
+    config["torch_dtype"] = dtype_name(tensors["fc.weight"])
+    return write_export_dir(out_dir, config, tensors)
 
 
 def read_dflash_export(export_dir: str | os.PathLike) -> tuple[DFlashConfig, dict[str, Tensor]]:

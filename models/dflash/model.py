@@ -20,7 +20,7 @@ shares the target's head when the shipped one equals it).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,16 +28,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.head_loss import HeadLogits
+from models.kind_config import (
+    KindConfig,
+    check_embedding_shape,
+    hf_config_dict,
+    target_layout,
+)
 from models.layers import (
     SUPPORTED_ROPE_TYPES,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
     apply_rope,
-    rope_parameters_of,
 )
 from models.target import check_aux_layer_ids
-from models.vocab import DraftVocab
+from models.vocab import DraftVocab, VocabBuffers
 
 DEFAULT_BLOCK_SIZE = 8
 """ModelOpt's block; 7 drafted slots cover EAGLE-3's default of 7 trained offsets
@@ -62,7 +67,7 @@ shorter, so every trainable position becomes an anchor; longer ones are subsampl
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(KindConfig):
     """Shape of a DFlash drafter. Sizes, attention layout, norm eps and rope are the target's;
     `num_layers`, `block_size`, `mask_token_id` and `anchors` are the kind's own settings."""
 
@@ -152,23 +157,10 @@ class DFlashConfig:
         anchors: int = DEFAULT_ANCHORS,
         head: str = DEFAULT_HEAD,
     ) -> DFlashConfig:
-        cfg = (
-            target_hf_config.to_dict()
-            if hasattr(target_hf_config, "to_dict")
-            else dict(target_hf_config)
-        )
-        heads = cfg["num_attention_heads"]
+        cfg = hf_config_dict(target_hf_config)
         return cls(
-            hidden_size=cfg["hidden_size"],
+            **target_layout(cfg),
             target_hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_parameters=rope_parameters_of(cfg),
-            max_position_embeddings=cfg["max_position_embeddings"],
-            vocab_size=cfg["vocab_size"],
             draft_vocab_size=draft_vocab_size,
             target_layer_ids=tuple(target_layer_ids),
             target_num_layers=cfg["num_hidden_layers"],
@@ -178,22 +170,6 @@ class DFlashConfig:
             anchors=anchors,
             head=head,
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["target_layer_ids"] = list(self.target_layer_ids)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DFlashConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown DFlashConfig keys {unknown}; is this a DFlash drafter?")
-        missing = sorted({f.name for f in fields(cls) if f.default is MISSING} - set(data))
-        if missing:
-            raise ValueError(f"DFlashConfig is missing keys {missing}")
-        return cls(**data)
 
 
 def default_mask_token(target_config: Mapping[str, Any]) -> int:
@@ -307,7 +283,7 @@ class DFlashDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashModel(nn.Module):
+class DFlashModel(VocabBuffers):
     """fc + hidden_norm over the target's features, `num_layers` decoder layers, final norm and
     a draft-vocab head (frozen when it is the target's). Parameter names follow vLLM's dflash
     checkpoints (`fc`, `hidden_norm`, `layers.N.*`, `norm`, `lm_head`, `d2t`/`t2d`);
@@ -315,20 +291,7 @@ class DFlashModel(nn.Module):
 
     def __init__(self, config: DFlashConfig, embed_weight: Tensor, vocab: DraftVocab) -> None:
         super().__init__()
-        if tuple(embed_weight.shape) != (config.vocab_size, config.hidden_size):
-            raise ValueError(
-                f"target embedding has shape {tuple(embed_weight.shape)} but the drafter expects "
-                f"[vocab {config.vocab_size}, hidden {config.hidden_size}]: pass the embedding "
-                "of the target this drafter was built for"
-            )
-        if (vocab.vocab_size, vocab.draft_vocab_size) != (
-            config.vocab_size,
-            config.draft_vocab_size,
-        ):
-            raise ValueError(
-                f"draft vocab maps {vocab.draft_vocab_size} of {vocab.vocab_size} ids but the "
-                f"config says {config.draft_vocab_size} of {config.vocab_size}"
-            )
+        check_embedding_shape(embed_weight, config)
         self.config = config
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
         n_features = len(config.target_layer_ids) * config.target_hidden_size
@@ -340,12 +303,7 @@ class DFlashModel(nn.Module):
         # The optimizer takes only trainable parameters, so a target head is never updated.
         self.lm_head.weight.requires_grad_(config.head == "draft")
         self.rotary = RotaryEmbedding(config.rope_parameters, config.head_dim)
-        self.register_buffer("d2t", vocab.d2t.clone())
-        self.register_buffer("t2d", vocab.t2d.clone())
-
-    @property
-    def vocab(self) -> DraftVocab:
-        return DraftVocab(self.d2t, self.t2d)
+        self.register_vocab(vocab, config.vocab_size, config.draft_vocab_size)
 
     def context_kv(self, aux_hidden: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Target features [N, S, n*H_t] at `positions` [N, S] -> per layer (k, v) [N, kv, S, d]."""

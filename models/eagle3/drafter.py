@@ -17,17 +17,19 @@ from models.drafter import (
     FrozenEmbeddingDrafter,
     ServableDrafter,
     TrainableDrafter,
+    check_matches_target,
 )
 from models.eagle3.export import export_eagle3, export_speculators, read_eagle3_export
 from models.eagle3.model import Eagle3Config, Eagle3Model
 from models.eagle3.train import objective_loss
-from models.export_format import ExportError
 from models.vocab import DraftVocab
 
 
 class Eagle3Drafter(
     Eagle3Model, ChainDrafter, FrozenEmbeddingDrafter, TrainableDrafter, ServableDrafter
 ):
+    config_type = Eagle3Config
+
     # -- building -------------------------------------------------------------------------
 
     @classmethod
@@ -37,40 +39,19 @@ class Eagle3Drafter(
         )
         return cls(config, target.embed_weight, vocab)
 
-    @classmethod
-    def from_tensors(
-        cls,
-        config: Mapping[str, Any],
-        embed_weight: Tensor,
-        tensors: Mapping[str, Tensor],
-        source: str,
-    ) -> Eagle3Drafter:
-        cfg = Eagle3Config.from_dict(config)
-        if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(
-                f"{source} was trained for a target with vocab {cfg.vocab_size} and hidden size "
-                f"{cfg.hidden_size}, but the given embedding is {tuple(embed_weight.shape)}: load "
-                "it with the target it was trained for"
-            )
-        return cls.from_checked_tensors(cfg, embed_weight, tensors, source)
-
     def check_target(self, target: Any) -> None:
         cfg = self.config
-        pairs = [
-            ("vocab size", cfg.vocab_size, target.vocab_size),
-            ("vocab map (t2d) size", self.t2d.numel(), target.vocab_size),
-            ("hidden size", cfg.hidden_size, target.hidden_size),
-            ("target hidden size (fc input / 3)", cfg.target_hidden_size, target.hidden_size),
-            ("target layer count", cfg.target_num_layers, target.num_layers),
-            ("aux layer ids", tuple(cfg.aux_layer_ids), tuple(target.aux_layer_ids)),
-        ]
-        for name, theirs, ours in pairs:
-            if theirs != ours:
-                raise ValueError(
-                    f"drafter does not match the target: drafter {name} is {theirs}, target's "
-                    f"is {ours}; use the drafter trained for this target (or load the target "
-                    "with the drafter's aux layer ids)"
-                )
+        check_matches_target(
+            self,
+            target,
+            [
+                ("target hidden size (fc input / 3)", cfg.target_hidden_size, target.hidden_size),
+                ("target layer count", cfg.target_num_layers, target.num_layers),
+                ("aux layer ids", tuple(cfg.aux_layer_ids), tuple(target.aux_layer_ids)),
+            ],
+            "use the drafter trained for this target (or load the target with the drafter's "
+            "aux layer ids)",
+        )
         self.check_embedding(target)
 
     # -- training -------------------------------------------------------------------------
@@ -114,10 +95,7 @@ class Eagle3Drafter(
     @classmethod
     def read_export(cls, export_dir: Path, embed_weight: Tensor | None) -> Eagle3Drafter:
         config, embed, tensors = read_eagle3_export(export_dir, embed_weight)
-        try:
-            return cls.from_tensors(config.to_dict(), embed, tensors, str(export_dir))
-        except ValueError as err:  # a tensor set or shape that does not fit the config
-            raise ExportError(str(err)) from None
+        return cls.from_export(export_dir, config, embed, tensors)
 
     @torch.no_grad()
     def probe_logits(self, seed: int) -> Tensor:

@@ -27,11 +27,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from models.eagle3.model import Eagle3Config, Eagle3Model
-from models.export_format import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE, ExportError
+from models.export_format import (
+    CONFIG_FILE,
+    PROVENANCE_KEY,
+    WEIGHTS_FILE,
+    ExportError,
+    cast_weights,
+    dtype_name,
+    write_export_dir,
+)
+from models.kind_config import hf_config_dict
 from models.layers import rope_parameters_of
 from models.target import check_aux_layer_ids
 from models.vocab import DraftVocab
@@ -52,17 +61,13 @@ VLLM_EAGLE3_TARGET_FAMILIES = (
 )
 
 
-def _as_dict(target_config: Any) -> dict[str, Any]:
-    return target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
-
-
 def check_export_invariants(
     drafter: Eagle3Model,
     target_config: Any,
     target_embed_weight: Tensor | None = None,
 ) -> None:
     """Raise ExportError naming the first violated invariant between `drafter` and its target."""
-    target = _as_dict(target_config)
+    target = hf_config_dict(target_config)
     cfg = drafter.config
     num_layers, hidden, vocab_size = (
         target["num_hidden_layers"],
@@ -164,31 +169,6 @@ def _provenance(cfg: Eagle3Config, target_identity: Mapping[str, Any] | None) ->
     }
 
 
-def _dtype_name(t: Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _write(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str, Tensor]) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, write in (
-        (WEIGHTS_FILE, lambda p: save_file(tensors, str(p))),
-        (CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True))),
-    ):
-        tmp = out / f"{name}.tmp"
-        write(tmp)
-        os.replace(tmp, out / name)
-    return out
-
-
-def _export_tensors(drafter: Eagle3Model, dtype: torch.dtype | None) -> dict[str, Tensor]:
-    tensors = drafter.tensors()
-    return {
-        name: t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        for name, t in tensors.items()
-    }
-
-
 def export_eagle3(
     drafter: Eagle3Model,
     target_config: Any,
@@ -205,7 +185,7 @@ def export_eagle3(
     """
     check_export_invariants(drafter, target_config, target_embed_weight)
     cfg = drafter.config
-    tensors = _export_tensors(drafter, dtype)
+    tensors = cast_weights(drafter.tensors(), dtype)
     aux = list(cfg.aux_layer_ids)
     config = {
         **_layer_config(cfg),
@@ -215,10 +195,10 @@ def export_eagle3(
         "norm_before_residual": False,
         "eagle_aux_hidden_state_layer_ids": aux,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
-        "torch_dtype": _dtype_name(tensors["fc.weight"]),
+        "torch_dtype": dtype_name(tensors["fc.weight"]),
         PROVENANCE_KEY: _provenance(cfg, target_identity),
     }
-    return _write(out_dir, config, tensors)
+    return write_export_dir(out_dir, config, tensors)
 
 
 def export_speculators(
@@ -241,11 +221,11 @@ def export_speculators(
     if speculative_tokens < 1:
         raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
     check_export_invariants(drafter, target_config, target_embed_weight)
-    target = _as_dict(target_config)
+    target = hf_config_dict(target_config)
     cfg = drafter.config
     tensors = {
         name.replace("midlayer.", "layers.0.", 1): t
-        for name, t in _export_tensors(drafter, dtype).items()
+        for name, t in cast_weights(drafter.tensors(), dtype).items()
     }
     embed = drafter.embed_tokens.weight.detach().contiguous()
     tensors[EMBED_KEY] = embed.to(dtype) if dtype is not None else embed
@@ -277,10 +257,10 @@ def export_speculators(
         "norm_output": False,
         "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        "torch_dtype": _dtype_name(tensors["fc.weight"]),
+        "torch_dtype": dtype_name(tensors["fc.weight"]),
         PROVENANCE_KEY: _provenance(cfg, target_identity),
     }
-    return _write(out_dir, config, tensors)
+    return write_export_dir(out_dir, config, tensors)
 
 
 def _aux_ids(config: dict[str, Any], speculators: bool, source: str) -> list[int]:

@@ -5,8 +5,8 @@ through, are models/chain.py's): row t reads the fused feature f_t and token x_{
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,20 +15,25 @@ from torch import Tensor, nn
 from models.chain import ChainAttention, TTTCache
 from models.features import Features
 from models.head_loss import HeadLogits
+from models.kind_config import (
+    KindConfig,
+    check_embedding_shape,
+    hf_config_dict,
+    target_layout,
+)
 from models.kv import KVCache
 from models.layers import (
     SUPPORTED_ROPE_TYPES,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
-    rope_parameters_of,
 )
 from models.target import check_aux_layer_ids, default_aux_layer_ids
-from models.vocab import DraftVocab
+from models.vocab import DraftVocab, VocabBuffers
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
+class Eagle3Config(KindConfig):
     """Shape of an EAGLE-3 drafter; every field but `draft_vocab_size` and `aux_layer_ids` is the target's."""
 
     hidden_size: int
@@ -100,24 +105,11 @@ class Eagle3Config:
 
         `aux_layer_ids` default: (2, N//2, N-3) as vLLM picks when a checkpoint names none.
         """
-        cfg = (
-            target_hf_config.to_dict()
-            if hasattr(target_hf_config, "to_dict")
-            else dict(target_hf_config)
-        )
+        cfg = hf_config_dict(target_hf_config)
         num_layers = cfg["num_hidden_layers"]
-        heads = cfg["num_attention_heads"]
         return cls(
-            hidden_size=cfg["hidden_size"],
+            **target_layout(cfg),
             target_hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_parameters=rope_parameters_of(cfg),
-            max_position_embeddings=cfg["max_position_embeddings"],
-            vocab_size=cfg["vocab_size"],
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=tuple(aux_layer_ids)
             if aux_layer_ids is not None
@@ -125,25 +117,6 @@ class Eagle3Config:
             target_num_layers=num_layers,
             hidden_act=cfg.get("hidden_act", "silu"),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["aux_layer_ids"] = list(self.aux_layer_ids)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Eagle3Config:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown Eagle3Config keys {unknown}; was this file written by another version?"
-            )
-        required = {f.name for f in fields(cls) if f.default is MISSING}
-        missing = sorted(required - set(data))
-        if missing:
-            raise ValueError(f"Eagle3Config is missing keys {missing}")
-        return cls(**data)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -180,7 +153,7 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
 
 
-class Eagle3Model(nn.Module):
+class Eagle3Model(VocabBuffers):
     """One EAGLE-3 decoder layer over the target's frozen embedding and fused low/mid/high features.
 
     Parameter names match vLLM's native EAGLE-3 checkpoints 1:1 (`fc`, `midlayer.*`, `norm`,
@@ -189,20 +162,7 @@ class Eagle3Model(nn.Module):
 
     def __init__(self, config: Eagle3Config, embed_weight: Tensor, vocab: DraftVocab) -> None:
         super().__init__()
-        if tuple(embed_weight.shape) != (config.vocab_size, config.hidden_size):
-            raise ValueError(
-                f"target embedding has shape {tuple(embed_weight.shape)} but the drafter expects "
-                f"[vocab {config.vocab_size}, hidden {config.hidden_size}]: pass the embedding of the target "
-                "this drafter was built for"
-            )
-        if (vocab.vocab_size, vocab.draft_vocab_size) != (
-            config.vocab_size,
-            config.draft_vocab_size,
-        ):
-            raise ValueError(
-                f"draft vocab maps {vocab.draft_vocab_size} of {vocab.vocab_size} ids but the config says "
-                f"{config.draft_vocab_size} of {config.vocab_size}"
-            )
+        check_embedding_shape(embed_weight, config)
         self.config = config
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
@@ -210,12 +170,7 @@ class Eagle3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope_parameters, config.head_dim)
-        self.register_buffer("d2t", vocab.d2t.clone())
-        self.register_buffer("t2d", vocab.t2d.clone())
-
-    @property
-    def vocab(self) -> DraftVocab:
-        return DraftVocab(self.d2t, self.t2d)
+        self.register_vocab(vocab, config.vocab_size, config.draft_vocab_size)
 
     def fuse(self, aux_hidden: Tensor) -> Tensor:
         """[B, T, 3*H_t] low/mid/high target states -> [B, T, H]."""

@@ -21,6 +21,7 @@ from models.drafter import (
     ServableDrafter,
     Shape,
     TrainableDrafter,
+    check_matches_target,
     check_tensor_set,
 )
 from models.export_format import ExportError
@@ -69,7 +70,7 @@ class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafte
         tensors: Mapping[str, Tensor],
         source: str,
     ) -> MedusaDrafter:
-        cfg = MedusaConfig.from_dict(dict(config))
+        cfg = MedusaConfig.from_dict(config)
         for name in ("d2t", "t2d"):
             if name not in tensors:
                 raise ValueError(
@@ -92,18 +93,7 @@ class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafte
         return fresh.to(self.heads[0].weight.device)
 
     def check_target(self, target: Any) -> None:
-        cfg = self.config
-        pairs = [
-            ("vocab size", cfg.vocab_size, target.vocab_size),
-            ("vocab map (t2d) size", self.t2d.numel(), target.vocab_size),
-            ("hidden size", cfg.hidden_size, target.hidden_size),
-        ]
-        for name, theirs, ours in pairs:
-            if theirs != ours:
-                raise ValueError(
-                    f"drafter does not match the target: drafter {name} is {theirs}, target's "
-                    f"is {ours}; use the drafter trained for this target"
-                )
+        check_matches_target(self, target)
 
     # -- decoding -------------------------------------------------------------------------
 
@@ -129,10 +119,7 @@ class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafte
     @classmethod
     def read_export(cls, export_dir: Path, embed_weight: Tensor | None) -> MedusaDrafter:
         config, tensors = read_medusa_export(export_dir)
-        try:
-            return cls.from_tensors(config.to_dict(), embed_weight, tensors, str(export_dir))
-        except ValueError as err:  # a tensor set or shape that does not fit the config
-            raise ExportError(str(err)) from None
+        return cls.from_export(export_dir, config, embed_weight, tensors)
 
     @torch.no_grad()
     def probe_logits(self, seed: int) -> Tensor:

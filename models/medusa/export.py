@@ -35,10 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
-from models.export_format import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE, ExportError
+from models.export_format import (
+    CONFIG_FILE,
+    PROVENANCE_KEY,
+    WEIGHTS_FILE,
+    ExportError,
+    dtype_name,
+    write_export_dir,
+)
+from models.kind_config import hf_config_dict
 from models.medusa.model import MedusaConfig, MedusaHeads
 from models.vocab import DraftVocab
 
@@ -80,7 +88,7 @@ def check_export_invariants(drafter: MedusaHeads, target_config: Any) -> None:
     """Raise ExportError naming the first invariant vLLM depends on that `drafter` breaks for
     its target (vLLM replaces the drafter's vocab size with the target's and feeds it states of
     the target's width)."""
-    target = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+    target = hf_config_dict(target_config)
     cfg = drafter.config
     for name, ours, theirs in (
         ("vocab size", cfg.vocab_size, target["vocab_size"]),
@@ -124,17 +132,8 @@ def export_medusa(
         tensors[f"lm_heads.{i}.weight"] = full_vocab_head(shipped(head.weight), vocab)
     tensors |= {name: getattr(drafter, name).detach().cpu().contiguous() for name in VOCAB_KEYS}
     config = medusa_config_json(cfg, target_identity)
-    config["torch_dtype"] = str(tensors["lm_heads.0.weight"].dtype).removeprefix("torch.")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, write in (
-        (WEIGHTS_FILE, lambda p: save_file(tensors, str(p))),
-        (CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True))),
-    ):
-        tmp = out / f"{name}.tmp"
-        write(tmp)
-        os.replace(tmp, out / name)
-    return out
+    config["torch_dtype"] = dtype_name(tensors["lm_heads.0.weight"])
+    return write_export_dir(out_dir, config, tensors)
 
 
 def read_medusa_export(export_dir: str | os.PathLike) -> tuple[MedusaConfig, dict[str, Tensor]]:

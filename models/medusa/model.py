@@ -14,21 +14,21 @@ rows of the draft vocabulary, so every head starts out as the target's next-toke
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from models.head_loss import HeadLogits
-from models.vocab import DraftVocab
+from models.kind_config import KindConfig
+from models.vocab import DraftVocab, VocabBuffers
 
 DEFAULT_HEADS = 4  # Medusa's default head count
 DEFAULT_LAYERS = 1  # residual blocks per head (Medusa-1's default)
 
 
 @dataclass(frozen=True)
-class MedusaConfig:
+class MedusaConfig(KindConfig):
     """Shape of a Medusa drafter: the target's width and vocabulary, the draft vocabulary's
     size, and the kind's own settings (`num_heads`, `num_layers`)."""
 
@@ -47,16 +47,6 @@ class MedusaConfig:
                 f"draft vocab ({self.draft_vocab_size}) exceeds the target vocab ({self.vocab_size})"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> MedusaConfig:
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"unknown Medusa config fields {unknown}")
-        return cls(**values)
-
 
 class ResidualBlock(nn.Module):
     """x + SiLU(W x), with W [H, H] and no bias (vLLM's Medusa layout)."""
@@ -70,20 +60,12 @@ class ResidualBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(VocabBuffers):
     """N heads, each `num_layers` residual blocks and a draft-vocabulary head; `d2t` / `t2d`
     carry the draft vocabulary's map as buffers (saved with the heads)."""
 
     def __init__(self, config: MedusaConfig, vocab: DraftVocab) -> None:
         super().__init__()
-        if (
-            vocab.draft_vocab_size != config.draft_vocab_size
-            or vocab.vocab_size != config.vocab_size
-        ):
-            raise ValueError(
-                f"the draft vocab map ({vocab.draft_vocab_size} of {vocab.vocab_size} ids) does "
-                f"not fit the config ({config.draft_vocab_size} of {config.vocab_size})"
-            )
         self.config = config
         H = config.hidden_size
         self.blocks = nn.ModuleList(
@@ -93,12 +75,7 @@ class MedusaHeads(nn.Module):
         self.heads = nn.ModuleList(
             nn.Linear(H, config.draft_vocab_size, bias=False) for _ in range(config.num_heads)
         )
-        self.register_buffer("d2t", vocab.d2t.clone())
-        self.register_buffer("t2d", vocab.t2d.clone())
-
-    @property
-    def vocab(self) -> DraftVocab:
-        return DraftVocab(self.d2t, self.t2d)
+        self.register_vocab(vocab, config.vocab_size, config.draft_vocab_size)
 
     def start_from_target_head(self, lm_head_weight: Tensor) -> None:
         """Medusa's initialisation: zero residual blocks, each head the target's lm_head rows

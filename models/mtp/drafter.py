@@ -14,7 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from models.chain import ChainDrafter, Unrolled
-from models.drafter import TrainableDrafter, check_tensor_set
+from models.drafter import (
+    TrainableDrafter,
+    check_matches_target,
+    check_tensor_set,
+    check_trained_for,
+    without_embedding,
+)
 from models.mtp.model import MTPConfig, MTPModel
 from models.mtp.train import depth_mean_loss, depth_mean_rollout_loss
 from models.vocab import DraftVocab
@@ -46,12 +52,7 @@ class MTPDrafter(MTPModel, ChainDrafter, TrainableDrafter):
         source: str,
     ) -> MTPDrafter:
         cfg = MTPConfig.from_dict(config)
-        if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(
-                f"{source} was trained for a target with vocab {cfg.vocab_size} and hidden size "
-                f"{cfg.hidden_size}, but the given embedding is {tuple(embed_weight.shape)}: load "
-                "it with the target it was trained for"
-            )
+        check_trained_for(embed_weight, cfg, source)
         if "lm_head.weight" not in tensors:
             raise ValueError(f"{source}: tensor 'lm_head.weight' (the target's head) is missing")
         drafter = cls(cfg, embed_weight, tensors["lm_head.weight"])
@@ -63,11 +64,7 @@ class MTPDrafter(MTPModel, ChainDrafter, TrainableDrafter):
         return drafter
 
     def tensors(self) -> dict[str, Tensor]:
-        return {
-            name: t.detach().contiguous()
-            for name, t in self.state_dict().items()
-            if not name.startswith("embed_tokens.")
-        }
+        return without_embedding(self)
 
     def untrained(self) -> MTPDrafter:
         fresh = type(self)(self.config, self.embed_tokens.weight, self.lm_head.weight)
@@ -77,16 +74,7 @@ class MTPDrafter(MTPModel, ChainDrafter, TrainableDrafter):
         return self.embed_tokens.weight
 
     def check_target(self, target: Any) -> None:
-        cfg = self.config
-        for name, theirs, ours in (
-            ("vocab size", cfg.vocab_size, target.vocab_size),
-            ("hidden size", cfg.hidden_size, target.hidden_size),
-        ):
-            if theirs != ours:
-                raise ValueError(
-                    f"drafter does not match the target: drafter {name} is {theirs}, target's "
-                    f"is {ours}; use the drafter trained for this target"
-                )
+        check_matches_target(self, target)
         for name, theirs, ours in (
             ("embed_tokens", self.embed_tokens.weight, target.embed_weight),
             ("lm_head", self.lm_head.weight, target.lm_head_weight),

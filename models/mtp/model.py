@@ -19,8 +19,7 @@ chain does: the keys the first module wrote over the committed rows, then the ch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,22 +28,22 @@ from torch import Tensor, nn
 from models.chain import ChainAttention, TTTCache
 from models.features import Features
 from models.head_loss import HeadLogits
+from models.kind_config import KindConfig, hf_config_dict, target_layout
 from models.kv import KVCache
 from models.layers import (
     SUPPORTED_ROPE_TYPES,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
-    rope_parameters_of,
 )
-from models.vocab import DraftVocab
+from models.vocab import DraftVocab, VocabBuffers
 
 DEFAULT_MODULES = 1
 """DeepSeek-V3 trains and ships one MTP module."""
 
 
 @dataclass(frozen=True)
-class MTPConfig:
+class MTPConfig(KindConfig):
     """Shape of an MTP drafter: the target's sizes and `num_modules` (D)."""
 
     hidden_size: int
@@ -87,44 +86,12 @@ class MTPConfig:
     @classmethod
     def from_target(cls, target_hf_config: Any, num_modules: int = DEFAULT_MODULES) -> MTPConfig:
         """The target's sizes, attention layout, norm eps, rope and context length."""
-        cfg = (
-            target_hf_config.to_dict()
-            if hasattr(target_hf_config, "to_dict")
-            else dict(target_hf_config)
-        )
+        cfg = hf_config_dict(target_hf_config)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(
                 f"hidden_act {cfg['hidden_act']!r} is not supported; the MTP layer's MLP is SiLU-gated"
             )
-        heads = cfg["num_attention_heads"]
-        return cls(
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_parameters=rope_parameters_of(cfg),
-            max_position_embeddings=cfg["max_position_embeddings"],
-            vocab_size=cfg["vocab_size"],
-            num_modules=num_modules,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MTPConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown MTPConfig keys {unknown}; was this file written by another version?"
-            )
-        missing = sorted({f.name for f in fields(cls) if f.default is MISSING} - set(data))
-        if missing:
-            raise ValueError(f"MTPConfig is missing keys {missing}")
-        return cls(**data)
+        return cls(**target_layout(cfg), num_modules=num_modules)
 
 
 class MTPModule(nn.Module):
@@ -159,7 +126,7 @@ class MTPModule(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
 
 
-class MTPModel(nn.Module):
+class MTPModel(VocabBuffers):
     """D MTP modules between the target's frozen embedding and its frozen lm_head.
 
     `embed_tokens` is the target's and is never saved; `lm_head` is a frozen copy of the
@@ -184,13 +151,9 @@ class MTPModel(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head_weight)
         self.rotary = RotaryEmbedding(config.rope_parameters, config.head_dim)
-        vocab = DraftVocab.full(config.vocab_size)
-        self.register_buffer("d2t", vocab.d2t)
-        self.register_buffer("t2d", vocab.t2d)
-
-    @property
-    def vocab(self) -> DraftVocab:
-        return DraftVocab(self.d2t, self.t2d)
+        self.register_vocab(
+            DraftVocab.full(config.vocab_size), config.vocab_size, config.vocab_size
+        )
 
     def read_features(self, features: Features) -> Tensor:
         """The target's last hidden state [..., H]: the only target state MTP reads."""

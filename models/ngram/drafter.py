@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import Tensor
 
 from models.drafter import ChainShape, ExportTarget, Proposer, ServableDrafter, Shape
 from models.export_format import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE, ExportError
+from models.kind_config import KindConfig
 from models.ngram.lookup import lookup
 from models.ngram.proposer import LookupProposer
 from models.vllm_engine import NGRAM, PROMPT_LOOKUP_SIZES
@@ -35,20 +36,10 @@ PROBE_TOKENS = 64
 
 
 @dataclass(frozen=True)
-class NgramConfig:
+class NgramConfig(KindConfig):
     vocab_size: int
     prompt_lookup_min: int = PROMPT_LOOKUP_SIZES[0]
     prompt_lookup_max: int = PROMPT_LOOKUP_SIZES[1]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> NgramConfig:
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"unknown n-gram lookup config keys {unknown}")
-        return cls(**data)
 
 
 class NgramDrafter(ServableDrafter):

@@ -38,14 +38,18 @@ FORMAT = "opd-trajectories"
 FORMAT_VERSION = 1
 META_KEY = b"opd_trajectories"
 
+SEQUENCE_FIELDS = [
+    ("seq_id", pa.string()),
+    ("prompt_id", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("prompt_len", pa.int32()),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("finish_reason", pa.string()),
+]
+"""A generated sequence's columns: the trajectories' and the rollouts' sequences alike."""
 TRAJECTORY_SCHEMA = pa.schema(
     [
-        ("seq_id", pa.string()),
-        ("prompt_id", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("prompt_len", pa.int32()),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("finish_reason", pa.string()),
+        *SEQUENCE_FIELDS,
         ("temperature", pa.float32()),
         ("top_p", pa.float32()),
         ("seed", pa.int64()),

@@ -423,18 +423,22 @@ def plot_calibration(table: pl.DataFrame, bins: int) -> bytes:
     top.set_ylabel("acceptance rate (fraction)")
     top.set_title("Calibration: acceptance vs drafter confidence")
     fig.legend(loc="outside lower center", fontsize=8, ncols=2)
-    bottom.bar(
+    _draft_counts(
+        bottom,
         table["confidence_lo"],
         table["drafts"],
-        width=1 / bins,
-        align="edge",
-        color="tab:gray",
-        edgecolor="white",
+        1 / bins,
+        "drafter confidence (its logged probability for the draft)",
     )
-    bottom.set_xlabel("drafter confidence (its logged probability for the draft)")
-    bottom.set_ylabel("drafts")
-    bottom.yaxis.set_major_locator(_int_locator(nbins=3))
     return png(fig)
+
+
+def _draft_counts(ax: Any, left: Any, drafts: Any, width: float, xlabel: str) -> None:
+    """The drafts behind each bin, as the low panel under a per-bin rate."""
+    ax.bar(left, drafts, width=width, align="edge", color="tab:gray", edgecolor="white")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("drafts")
+    ax.yaxis.set_major_locator(_int_locator(nbins=3))
 
 
 def plot_top_rejected(table: pl.DataFrame) -> bytes:
@@ -478,17 +482,13 @@ def plot_acceptance_by_position(table: pl.DataFrame, bucket: int) -> bytes:
     top.set_ylim(0, 1.05)
     top.set_ylabel("acceptance rate (fraction)")
     top.set_title(f"Acceptance of reached drafts by sequence position ({bucket}-token buckets)")
-    bottom.bar(
+    _draft_counts(
+        bottom,
         table["position_start"],
         table["reached"],
-        width=bucket,
-        align="edge",
-        color="tab:gray",
-        edgecolor="white",
+        bucket,
+        "position in the sequence (tokens from the first prompt token)",
     )
-    bottom.set_xlabel("position in the sequence (tokens from the first prompt token)")
-    bottom.set_ylabel("drafts")
-    bottom.yaxis.set_major_locator(_int_locator(nbins=3))
     return png(fig)
 
 

@@ -94,20 +94,12 @@ from pipeline.core.prompt_sets import select_prompts
 from pipeline.core.rollouts import TEACHER_FORMAT, shard_files, teacher_file
 from pipeline.core.runner import RunContext
 from pipeline.core.stage import DRAFTER_DATASETS, Inputs, Stage
+from pipeline.core.trajectory_files import SEQUENCE_FIELDS
 from storage import DatasetWriter, tensor_array, tensor_field
 
 log = logging.getLogger("opd")
 
-SEQUENCES_SCHEMA = pa.schema(
-    [
-        ("seq_id", pa.string()),
-        ("prompt_id", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("prompt_len", pa.int32()),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("finish_reason", pa.string()),
-    ]
-)
+SEQUENCES_SCHEMA = pa.schema(SEQUENCE_FIELDS)
 REJECTIONS_SCHEMA = pa.schema(
     [
         # the named run (`--run-name`) that computed these rows; a later run with the same
