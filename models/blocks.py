@@ -23,6 +23,7 @@ from torch import Tensor
 
 from models.acceptance import AcceptanceStats
 from models.drafter import Proposal, Replayed
+from models.features import Features
 from models.head_loss import HeadLogits, head_loss
 from models.losses import (
     Logits,
@@ -158,7 +159,9 @@ class BlockTraining:
     """The training role's losses and acceptance for a block drafter (DFlash, Medusa), whose
     unroll returns a `BlockUnroll`: mixed in before `TrainableDrafter`. SFT is the
     position-decayed soft CE over the slots; on a Draft-OPD batch the rollout sequences' own
-    blocks read ground truth only (no slot reads a draft), so the CE anchor is the same loss."""
+    blocks read ground truth only (no slot reads a draft), so the CE anchor is the same loss.
+    A kind assigns `slot_logits(drafter, features, anchors, k)` -> [C, K, Vd]: the logits of
+    the K slots each anchor's block drafts from (`replay` samples them)."""
 
     def sft_loss(
         self,
@@ -175,6 +178,21 @@ class BlockTraining:
         self, out: BlockUnroll, target_logits: Tensor, *, chain_k: int, expected: bool = True
     ) -> AcceptanceStats:
         return block_acceptance(out, target_logits, self.vocab, chain_k=chain_k, expected=expected)
+
+    def replay(
+        self,
+        features: Features,
+        anchors: Tensor,
+        k: int,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Replayed:
+        """K drafts from each anchor e of one sequence, as the proposer drafts them after
+        committing y<e: the kind's `slot_logits` [C, K, Vd] at the anchors, sampled as
+        `block_replay` does (a slot's q does not depend on the drafts before it)."""
+        logits = self.slot_logits(features, anchors, k)  # [C, K, Vd]
+        return block_replay(logits, temperature, generator, self.vocab)
 
     def replay_logits(
         self, out: BlockUnroll, item: Tensor, anchor: Tensor, *, lazy: bool = False

@@ -22,7 +22,7 @@ from models.blocks import BlockTraining
 from models.dflash.export import export_dflash, read_dflash_export
 from models.dflash.model import DFlashConfig, DFlashModel
 from models.dflash.propose import DFlashProposer
-from models.dflash.train import block_unroll, replay_blocks
+from models.dflash.train import block_slot_logits, block_unroll
 from models.drafter import (
     ExportTarget,
     FrozenEmbeddingDrafter,
@@ -40,7 +40,7 @@ class DFlashDrafter(
 ):
     config_type = DFlashConfig
     # The training forwards are train.py's functions, the drafter first.
-    replay = replay_blocks
+    slot_logits = block_slot_logits
     unroll = block_unroll
 
     # -- building -------------------------------------------------------------------------

@@ -23,10 +23,10 @@ from models.blocks import block_chain
 from models.dflash.model import DFlashModel
 from models.drafter import ChainShape, Proposal, Shape
 from models.features import Features
-from models.kv import KVCache, trim_slots
+from models.kv import CachedRows
 
 
-class DFlashProposer:
+class DFlashProposer(CachedRows):
     """Blocks from a DFlash drafter, with its context cache."""
 
     def __init__(
@@ -53,15 +53,8 @@ class DFlashProposer:
             generator,
             timer,
         )
-        self.cache = KVCache()
-        self.valid: Tensor | None = None  # [B, S] which cached context slots are real
+        super().__init__()  # the cache holds the context's keys and values
         self.to_target = drafter.vocab.draft_to_target_ids
-
-    def keep_rows(self, rows: Tensor) -> None:
-        if self.valid is None:  # rows finished before the first proposal: nothing cached yet
-            return
-        self.cache.select_rows(rows)
-        self.valid = trim_slots(self.valid[rows], self.cache)
 
     def propose(self, rows: Features, budget: Tensor) -> Proposal:
         batch, device = len(rows.ids), rows.ids.device

@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.blocks import BlockUnroll, block_replay
+from models.blocks import BlockUnroll
 from models.dflash.model import DFlashModel
-from models.drafter import Replayed
 from models.features import Features, replay_inputs
 
 
@@ -98,21 +97,10 @@ def block_unroll(
 
 
 @torch.no_grad()
-def replay_blocks(
-    drafter: DFlashModel,
-    features: Features,
-    anchors: Tensor,
-    k: int,
-    *,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> Replayed:
-    """K drafts from each anchor e of one sequence, as the proposer drafts them after committing
+def block_slot_logits(drafter: DFlashModel, features: Features, anchors: Tensor, k: int) -> Tensor:
+    """The K slots' logits [C, K, Vd] each anchor e of one sequence drafts from after committing
     y<e: one forward of all C blocks (anchor position e-1, context < e-1) over one context pass.
-
-    features: ids [T], aux [T, F]; anchors [C] with 2 <= e <= T. T=0 drafts each slot's
-    argmax; T>0 samples each slot from its own q = softmax(logits / T) with `generator` (a
-    slot's q does not depend on the drafts before it, models/dflash/propose.py)."""
+    features: ids [T], aux [T, F]; anchors [C] with 2 <= e <= T."""
     device = drafter.fc.weight.device
     most = drafter.config.block_size - 1
     ids, aux_hidden, anchors = replay_inputs(features, anchors, k, device, most)
@@ -122,5 +110,4 @@ def replay_blocks(
     context = drafter.context_kv(aux_hidden[:width].to(device)[None], positions[None])
     visible = (positions < starts[:, None])[None]  # [1, C, S]
     blocks = drafter.block_tokens(ids[starts][None])  # [1, C, B]
-    logits = drafter(blocks, starts[None], context, visible, k)[0]  # [C, K, Vd]
-    return block_replay(logits, temperature, generator, drafter.vocab)
+    return drafter(blocks, starts[None], context, visible, k)[0]  # [C, K, Vd]

@@ -28,13 +28,13 @@ from models.export_format import ExportError
 from models.medusa.export import export_medusa, read_medusa_export
 from models.medusa.model import MedusaConfig, MedusaHeads
 from models.medusa.propose import MedusaProposer
-from models.medusa.train import heads_unroll, replay_heads
+from models.medusa.train import head_slot_logits, heads_unroll
 from models.vocab import DraftVocab
 
 
 class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafter):
     # The training forwards are train.py's functions, the drafter first.
-    replay = replay_heads
+    slot_logits = head_slot_logits
     unroll = heads_unroll
 
     # -- building -------------------------------------------------------------------------

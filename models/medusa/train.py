@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.blocks import BlockUnroll, block_replay
-from models.drafter import Replayed
+from models.blocks import BlockUnroll
 from models.features import Features, replay_inputs
 from models.losses import materialized
 from models.medusa.model import MedusaHeads
@@ -66,20 +65,10 @@ def heads_unroll(
 
 
 @torch.no_grad()
-def replay_heads(
-    drafter: MedusaHeads,
-    features: Features,
-    anchors: Tensor,
-    k: int,
-    *,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> Replayed:
-    """K drafts from each anchor e of one sequence, as the proposer drafts them after committing
-    y<e: the first K heads at h_{e-2}. features: ids [T], last_hidden [T, H]; 2 <= e <= T.
-    T=0 drafts each head's argmax; T>0 samples each from its own q = softmax(logits / T)."""
+def head_slot_logits(drafter: MedusaHeads, features: Features, anchors: Tensor, k: int) -> Tensor:
+    """The K slots' logits [C, K, Vd] each anchor e of one sequence drafts from after committing
+    y<e: the first K heads at h_{e-2}. features: ids [T], last_hidden [T, H]; 2 <= e <= T."""
     device = drafter.heads[0].weight.device
     _, _, anchors = replay_inputs(features, anchors, k, device, drafter.config.num_heads)
     hidden = _last_hidden(features).to(device)[anchors - 2]  # [C, H]
-    logits = drafter(hidden, k).float()  # [C, K, Vd]
-    return block_replay(logits, temperature, generator, drafter.vocab)
+    return drafter(hidden, k).float()  # [C, K, Vd]
