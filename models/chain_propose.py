@@ -33,13 +33,13 @@ from models.drafter import (
     confident_length,
 )
 from models.features import Features, replay_inputs
-from models.kv import KVCache, extend_mask, trim_slots
+from models.kv import CachedRows, KVCache, extend_mask
 
 if TYPE_CHECKING:
     from models.chain import ChainNetwork
 
 
-class ChainProposer:
+class ChainProposer(CachedRows):
     """Chains or trees from a chain network, with the drafter's own KV cache."""
 
     def __init__(
@@ -52,15 +52,8 @@ class ChainProposer:
     ) -> None:
         self.drafter, self.shape = drafter, shape
         self.temperature, self.gen, self.timer = temperature, generator, timer
-        self.cache = KVCache()
-        self.valid: Tensor | None = None  # [B, S] which cached slots are real
+        super().__init__()
         self.to_target = drafter.vocab.draft_to_target_ids
-
-    def keep_rows(self, rows: Tensor) -> None:
-        if self.valid is None:  # rows finished before the first proposal: nothing cached yet
-            return
-        self.cache.select_rows(rows)
-        self.valid = trim_slots(self.valid[rows], self.cache)
 
     def propose(self, rows: Features, budget: Tensor) -> Proposal:
         if self.valid is None:

@@ -79,3 +79,18 @@ def trim_slots(valid: Tensor, cache: Any, crop: Callable[[Any, int], None] | Non
             crop(cache, keep)
         valid = valid[:, :keep]
     return valid
+
+
+class CachedRows:
+    """A proposer's own KV cache with which of its slots are real per batch row; the base of the
+    proposers that keep one across verify steps (`keep_rows` of the `Proposer` protocol)."""
+
+    def __init__(self) -> None:
+        self.cache = KVCache()
+        self.valid: Tensor | None = None  # [B, S] which cached slots are real
+
+    def keep_rows(self, rows: Tensor) -> None:
+        if self.valid is None:  # rows finished before the first proposal: nothing cached yet
+            return
+        self.cache.select_rows(rows)
+        self.valid = trim_slots(self.valid[rows], self.cache)
