@@ -35,19 +35,17 @@ decoding's. The predicted speed-up divides by plain decoding's measured tokens/s
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
-import torch
-
+from lab.benchmarks.decode_args import drafter_parser, parse_decoding
 from models.draft_length import THRESHOLDS, TuneOptions, tune
 from models.drafters import kind_spec
 from pipeline.core.drafters import drafter_kind, load_drafter_dataset, trained_depth
 from pipeline.core.targets import TargetLoader
 from pipeline.core.tuning import heldout_prompts
 from pipeline.profiles import load_config
-from storage import OpdError, Store, default_root
+from storage import OpdError, Store
 
 
 def kind_label(kind: str) -> str:
@@ -96,10 +94,7 @@ def headline(settings: list[dict[str, Any]], label: str, *, main: bool) -> dict[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=None, help="data root [default: OPD_HOME]")
-    parser.add_argument("--profile", default="default")
-    parser.add_argument("--drafter", default="opd@latest")
+    parser = drafter_parser(__doc__)
     parser.add_argument(
         "--compare", default=None, help="a drafter of the other kind, tuned in the same run"
     )
@@ -109,11 +104,7 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=None, help="[profile: evaluate]")
     parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
     parser.add_argument("--reps", type=int, default=20, help="timings per verify width")
-    parser.add_argument("--repeats", type=int, default=1, help="best of N per decoder")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    root = args.root or str(default_root())
+    args, root = parse_decoding(parser)
     store, loader, prompts, cfg, what = load(root, args.profile, args.prompts)
     opts = TuneOptions(
         max_new_tokens=args.max_new or cfg.evaluate.max_new_tokens,

@@ -39,21 +39,20 @@ profile share; the full table is under `settings`. Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from typing import Any
 
 import polars as pl
-import torch
 
+from lab.benchmarks.decode_args import drafter_parser, parse_decoding
 from models.decoding import SpecConfig, speculative_generate, target_generate
 from models.drafter import ChainShape, TreeShape
 from pipeline.core.config import DraftTree
 from pipeline.core.drafters import load_drafter_dataset
 from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
-from storage import Store, default_root
+from storage import Store
 
 
 def load(root: str, profile: str, drafter_ref: str, n_prompts: int):
@@ -161,10 +160,7 @@ def run_setting(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=None, help="data root [default: OPD_HOME]")
-    parser.add_argument("--profile", default="default")
-    parser.add_argument("--drafter", default="opd@latest")
+    parser = drafter_parser(__doc__)
     parser.add_argument(
         "--dflash", default=None, help="a DFlash drafter dataset decoded beside the chain"
     )
@@ -174,11 +170,7 @@ def main() -> None:
     parser.add_argument("--tree-top-k", type=int, default=4)
     parser.add_argument("--tree-budget", type=int, default=10, help="tree_wide's budget")
     parser.add_argument("--tree-min-confidence", type=float, default=0.1, help="tree_stop's")
-    parser.add_argument("--repeats", type=int, default=1, help="best of N per decoder")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    root = args.root or str(default_root())
+    args, root = parse_decoding(parser)
     target, drafter, prompts, cfg, drafter_ref, prompts_ref = load(
         root, args.profile, args.drafter, args.prompts
     )
