@@ -28,7 +28,7 @@ from pipeline.chains import (
     summary_markdown,
 )
 from pipeline.core.runner import RunContext, StageResult, planned_ref, run_stage
-from pipeline.core.targets import TargetConfig, TargetLoader
+from pipeline.core.targets import TargetLoader
 from pipeline.profiles import load_config
 from storage import Dataset, OpdError, Store, check_run_name
 
@@ -38,22 +38,14 @@ def stage_task(step: Step, inputs: dict[str, Dataset], ctx: RunContext, force: b
     return run_stage(step.stage, step.cfg, inputs, ctx, force=force)
 
 
-@task(cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=2)
-def rank_task(
-    step: Step,
-    input_refs: dict[str, str],
-    root: str,
-    target: TargetConfig,
-    run_name: str,
-    force: bool,
-    rank: int,
-    world_size: int,
-    expected: str,
-) -> str | None:
-    return distributed.run_rank(
-        step, input_refs, root=root, target=target, run_name=run_name, force=force, rank=rank,
-        world_size=world_size, expected=expected,
-    )  # fmt: skip
+rank_task = task(
+    distributed.run_rank,
+    name="rank_task",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    retries=1,
+    retry_delay_seconds=2,
+)
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
@@ -105,13 +97,13 @@ def _fan_out(
             rank_task.with_options(task_run_name=f"{step.key}:{ref}:rank{r}").submit(
                 step,
                 refs,
-                str(ctx.store.root),
-                ctx.target_loader.cfg,
-                ctx.run_name,
-                force,
-                r,
-                ranks,
-                str(ref),
+                root=str(ctx.store.root),
+                target=ctx.target_loader.cfg,
+                run_name=ctx.run_name,
+                force=force,
+                rank=r,
+                world_size=ranks,
+                expected=str(ref),
             )
             for r in range(ranks)
         ]
