@@ -225,14 +225,23 @@ def _run(
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
     final = results.get("evaluate")
     if stage in CHAINS and final is not None and final.dataset is not None:
+        from pipeline.chains import final_report, tuned_evaluation
+        from pipeline.core.quicklook import cpu_name
+        from pipeline.core.targets import resolve_dtype
         from pipeline.core.tuning import k_report
 
         meta = final.dataset.meta
         if "k" in meta and "drafter" in meta:
+            tuned = tuned_evaluation(results, ctx, cfg)
+            if tuned is not None:
+                click.echo(f"{'evaluate':<12} {tuned.ref}  (at opd tune's K)")
             temperature = meta.get("temperature", 0.0)
             click.echo(
                 f"draft length {k_report(store.open(meta['drafter']), meta['k'], temperature)}"
             )
+            machine = f"CPU {cpu_name()}, target dtype {resolve_dtype(ctx.target_loader.cfg)}"
+            for line in final_report(final.dataset, tuned and tuned.dataset, machine):
+                click.echo(line)
     if stage == "full":
         from pipeline.chains import export_chain_result
 
