@@ -232,7 +232,9 @@ def tuned_evaluation(
         return None
     # The n-gram lookup and the untrained contrast are the final evaluation's, on these prompts.
     step = _step("evaluate", cfg, k=k, free_baseline=False, untrained_contrast=False)
-    return run_stage(step.stage, step.cfg, {"prompts": prompts, "drafter": drafter}, ctx)
+    tuned = run_stage(step.stage, step.cfg, {"prompts": prompts, "drafter": drafter}, ctx)
+    ctx.store.set_latest(final.ref)  # eval@latest stays the chain's own, the lookup beside it
+    return tuned
 
 
 def final_report(evaluation: Dataset, tuned: Dataset | None, machine: str) -> list[str]:

@@ -37,6 +37,7 @@ def test_final_evaluation_tunes_then_reports_trained_and_tuned_k_beside_the_look
     tuned = chains.tuned_evaluation(results, ctx, cfg).dataset
     assert tuned.meta["k"] == 2 and tuned.inputs == final.inputs
     assert "free_baseline" not in tuned.meta and "tau_untrained" not in tuned.meta
+    assert store.open("eval@latest").ref == final.ref  # the chain's own evaluation
     lines = chains.final_report(final, tuned, MACHINE)
     assert lines[0] == f"final evaluation, T=0, {final.meta['prompts']} held-out prompts, " + (
         f"batch 1, {MACHINE}:"
