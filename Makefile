@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 PINS := $(VENV)/pins.txt
 
-.PHONY: setup vllm demo see test test-serial test-fast lint
+.PHONY: setup vllm demo see see-vllm see-t1 test test-serial test-fast lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,6 +42,38 @@ BENCH ?= ../shared/data/prompts
 see: $(STAMP)
 	$(BIN)/opd see assets/smollm2/eagle3 --sets $(BENCH)/mt_bench.jsonl \
 		--sets $(BENCH)/gsm8k.jsonl --sets humaneval
+
+# The committed drafter beyond `make see`, each one command to rerun on a new drafter (DRAFTER):
+# see-vllm serves it with vLLM (`make vllm` first) beside vLLM's plain decoding and its n-gram
+# speculator, T=0, at each K in KS (DEADLINE=S: no prompt taken after S seconds, on a machine
+# where 24 prompts take too long); see-t1 decodes it in the project's loop at T=1, at the K
+# `opd tune` measures fastest there, beside plain sampling and the n-gram lookup. Both read
+# SmolLM2 from the data root (`opd target get smollm2`, or `make see` once).
+DRAFTER ?= assets/smollm2/eagle3
+KS ?= 1 2
+SEE_PROMPTS ?= 8
+SEE_TOKENS ?= 128
+DATA_ROOT = $(or $(OPD_HOME),opd-data)
+SETS_JSON = ["$(BENCH)/mt_bench.jsonl","$(BENCH)/gsm8k.jsonl","humaneval"]
+see-vllm: $(VLLM_STAMP)
+	$(BIN)/python -m lab.benchmarks.bench_vllm_real --target $(DATA_ROOT)/targets/smollm2 \
+		--sets $(BENCH)/mt_bench.jsonl $(BENCH)/gsm8k.jsonl humaneval \
+		--export eagle3=$(DRAFTER) --k $(KS) --prompts-per-set $(SEE_PROMPTS) \
+		--max-new-tokens $(SEE_TOKENS) $(if $(DEADLINE),--deadline-s $(DEADLINE))
+
+see-t1: $(STAMP)
+	drafter=$$($(BIN)/opd --threads 1 data import-drafter $(DRAFTER) | tail -n 1) && \
+	prompts=$$($(BIN)/opd --threads 1 run prompts --profile smollm2 --no-progress \
+		--set prompts.source=embedded --set 'prompts.heldout_sets=$(SETS_JSON)' \
+		--set prompts.max_heldout_rows=$(SEE_PROMPTS) --set prompts.max_train_rows=1 \
+		| awk '$$1 == "prompts" {print $$2}') && \
+	k=$$($(BIN)/opd tune --drafter $$drafter --prompts $$prompts --temperature 1 \
+		--max-prompts 3 --repeats 1 --candidates 1 --profile smollm2 --json \
+		--set evaluate.max_new_tokens=$(SEE_TOKENS) \
+		| $(BIN)/python -c 'import json, sys; print(json.load(sys.stdin)["serve"]["k"])') && \
+	$(BIN)/opd --threads 1 eval --drafter $$drafter --prompts $$prompts --temperature 1 --k $$k \
+		--profile smollm2 --set evaluate.max_new_tokens=$(SEE_TOKENS) \
+		--set evaluate.max_prompts=$$(( 3 * $(SEE_PROMPTS) ))
 
 TEST_ENV := PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 DO_NOT_TRACK=1 \
 	PREFECT_SERVER_ANALYTICS_ENABLED=false

@@ -224,19 +224,31 @@ def _run(
     for key, r in results.items():
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
     final = results.get("evaluate")
+    export_k = cfg.drafting.k
     if stage in CHAINS and final is not None and final.dataset is not None:
+        from pipeline.chains import final_report, tuned_evaluation
+        from pipeline.core.quicklook import cpu_name
+        from pipeline.core.targets import resolve_dtype
         from pipeline.core.tuning import k_report
 
         meta = final.dataset.meta
         if "k" in meta and "drafter" in meta:
+            tuned = tuned_evaluation(results, ctx, cfg)
+            if tuned is not None:
+                click.echo(f"{'evaluate':<12} {tuned.ref}  (at opd tune's K)")
             temperature = meta.get("temperature", 0.0)
             click.echo(
                 f"draft length {k_report(store.open(meta['drafter']), meta['k'], temperature)}"
             )
+            machine = f"CPU {cpu_name()}, target dtype {resolve_dtype(ctx.target_loader.cfg)}"
+            for line in final_report(final.dataset, tuned and tuned.dataset, machine):
+                click.echo(line)
+            if tuned is not None:  # served at the K measured fastest here, as `opd export` does
+                export_k = tuned.dataset.meta["k"]
     if stage == "full":
         from pipeline.chains import export_chain_result
 
-        info = export_chain_result(results, ctx.target_loader, store.root, cfg.drafting.k)
+        info = export_chain_result(results, ctx.target_loader, store.root, export_k)
         if info is not None:
             others = ", ".join(f"{f}/" for f in info["formats"][1:])
             click.echo(

@@ -62,7 +62,6 @@ def see_cmd(
     import torch
 
     from cli.common import recorded_target, setup_logging
-    from models.draft_length import TuneOptions
     from pipeline.core.drafter_import import describe, import_drafter
     from pipeline.core.drafter_import import recorded_target as drafter_target
     from pipeline.core.drafters import load_drafter_dataset
@@ -76,7 +75,14 @@ def see_cmd(
         write_report,
     )
     from pipeline.core.targets import TargetLoader, resolve_dtype
-    from pipeline.core.tuning import k_report, run_tune, serving_k, trained_k, tuned_result
+    from pipeline.core.tuning import (
+        k_report,
+        quick_options,
+        run_tune,
+        serving_k,
+        trained_k,
+        tuned_result,
+    )
     from pipeline.profiles import load_config
     from pipeline.stages.prompts import PromptsConfig, heldout_rows, heldout_set_name
 
@@ -109,13 +115,8 @@ def see_cmd(
     trained = trained_k(ds) or cfg.drafting.k
     if tuned_result(ds, 0.0) is None:
         subset = [p for set_rows in prompts.values() for p in set_rows[:tune_prompts]]
-        # fixed K only (vLLM serves no stop threshold), the best predicted K timed beside the
-        # trained one, on half the tokens: the minutes go to the side-by-side decode below
-        opts = TuneOptions(
-            max(16, max_new_tokens // 2), thresholds=(0.0,), verify_reps=5, candidates=1
-        )
         click.echo(f"opd tune: timing K=1..{trained} on {len(subset)} prompts ...")
-        run_tune(ds, subset, loader, 0.0, trained, opts)
+        run_tune(ds, subset, loader, 0.0, trained, quick_options(max_new_tokens))
     k, _ = serving_k(ds, 0.0, trained)
     drafter = load_drafter_dataset(ds, target, loader.identity)
     title, lookup = lookup_drafter(target)

@@ -12,6 +12,8 @@ the glob PATTERN, so the numbers there are never typed. KIND is one of:
 - `projected`: the speed-up the same run's step costs project at the embedded target's τ.
 - `see`: `opd see --json` results: a shipped drafter against plain decoding and the n-gram
   lookup on the held-out sets (τ over every verify step, per set, speed-up, identical outputs);
+- `vllm`: `lab/benchmarks/bench_vllm_real.py` results: exports and vLLM's n-gram speculator
+  served by vLLM against vLLM's plain decoding, side by side in one run;
 - `sft-curve`: SFT's held-out τ against the generated training tokens it read (a JSON whose
   `points` are one SFT run each: `lab/gpu/smollm2_scale.py`'s record, with token counts).
 
@@ -243,6 +245,36 @@ SEE = (  # the table's header
 ).split(" | ")
 
 
+def vllm_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
+    rows = []
+    for r in (r for r in reports if "serve" in r.result):
+        res = r.result
+        prompts = sum(res["prompts"].values())
+        for name, one in ((n, o) for n, o in res["all"].items() if n != "plain"):
+            label = name if " K=" in name else f"{name} K={res['k'][name]}"
+            by_set = ", ".join(
+                f"{s} {one_set[name]['tau']:.3f}" for s, one_set in res["by_set"].items()
+            )
+            rows.append(
+                [
+                    r.link(docs),
+                    label,
+                    f"**{one['tau']:.3f}** ({by_set})",
+                    f"**{one['speedup_vs_plain']:.2f}×**",
+                    f"{round(one['identical_to_plain'] * prompts)}/{prompts}",
+                    f"{one['tokens_per_s']:.1f} ({res['all']['plain']['tokens_per_s']:.1f})",
+                    f"{res['dtype']}, {r.hardware}",
+                ]
+            )
+    return rows
+
+
+VLLM = (  # the table's header
+    "report | vLLM speculator | τ (per set) | speed-up over vLLM plain decoding | identical to "
+    "plain | tokens/s (plain) | dtype, hardware"
+).split(" | ")
+
+
 def sft_curve_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
     rows = []
     for r in reports:
@@ -277,6 +309,7 @@ TABLES: dict[str, tuple[list[str], Callable[[list[Published], Path, str], list[l
     "projected": (PROJECTED, projected_rows),
     "sft-curve": (SFT_CURVE, sft_curve_rows),
     "see": (SEE, see_rows),
+    "vllm": (VLLM, vllm_rows),
 }
 
 

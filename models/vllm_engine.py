@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -293,6 +294,30 @@ def log_path(spec: EngineSpec) -> Path | None:
     return _ENGINE_LOGS.get(spec)
 
 
+def speculative_config(spec: EngineSpec) -> dict[str, Any]:
+    """The `speculative_config` the engine for a speculating `spec` is started with (what
+    `vllm serve --speculative-config` takes)."""
+    if spec.method == NGRAM:
+        return {
+            "method": NGRAM,
+            "num_speculative_tokens": spec.k,
+            "prompt_lookup_min": PROMPT_LOOKUP_SIZES[0],
+            "prompt_lookup_max": PROMPT_LOOKUP_SIZES[1],
+        }
+    return {"method": spec.method, "model": spec.drafter, "num_speculative_tokens": spec.k}
+
+
+def serve_command(spec: EngineSpec) -> str:
+    """The `vllm serve` command that serves what the engine for `spec` runs: its model, dtype,
+    seed, eager mode and speculative config."""
+    words = ["vllm", "serve", spec.model, "--dtype", spec.dtype, "--seed", str(spec.seed)]
+    if device() == "cpu":
+        words.append("--enforce-eager")
+    if spec.speculates:
+        words += ["--speculative-config", json.dumps(speculative_config(spec))]
+    return shlex.join(words)
+
+
 def engine(spec: EngineSpec, log: Path | None = None) -> Any:
     """The started `vllm.LLM` for `spec` (started once per process).
 
@@ -315,20 +340,8 @@ def engine(spec: EngineSpec, log: Path | None = None) -> Any:
         # torch.compile of the model takes minutes on a small CPU; CUDA graphs stay on GPUs.
         "enforce_eager": device() == "cpu",
     }
-    if spec.method == NGRAM:
-        kwargs["speculative_config"] = {
-            "method": NGRAM,
-            "num_speculative_tokens": spec.k,
-            "prompt_lookup_min": PROMPT_LOOKUP_SIZES[0],
-            "prompt_lookup_max": PROMPT_LOOKUP_SIZES[1],
-        }
-    elif spec.drafter is not None:
-        kwargs["speculative_config"] = {
-            "method": spec.method,
-            "model": spec.drafter,
-            "num_speculative_tokens": spec.k,
-        }
     if spec.speculates:
+        kwargs["speculative_config"] = speculative_config(spec)
         # Per request, not the process-wide Prometheus `vllm:spec_decode_*` counters: a newer
         # engine in the same process unregisters an older one's, and both carry the same labels.
         kwargs["per_request_spec_decode_metrics"] = "summary"

@@ -14,11 +14,19 @@ from pathlib import Path
 from models.drafters import kind_spec
 from pipeline import stages
 from pipeline.core.config import StrictConfig, is_lossy
-from pipeline.core.drafters import drafter_kind, refuse_untrained
+from pipeline.core.drafters import drafter_kind, needs_training, refuse_untrained
 from pipeline.core.export import EXPORTS_DIR, export_drafter
 from pipeline.core.runner import RunContext, StageResult, run_stage
 from pipeline.core.stage import Stage
 from pipeline.core.targets import TargetLoader, check_engine_target
+from pipeline.core.tuning import (
+    heldout_prompts,
+    quick_options,
+    run_tune,
+    serving_k,
+    trained_k,
+    tuned_result,
+)
 from pipeline.profiles import PipelineConfig
 from storage import Dataset, OpdError
 
@@ -189,3 +197,69 @@ def export_chain_result(results: dict, loader: TargetLoader, root: Path, k: int)
         return None
     infos = [export_drafter(last, loader, f, base / f, k, overwrite=True) for f in formats]
     return infos[0] | {"formats": list(formats)}
+
+
+TUNE_PROMPTS = 3
+"""Held-out prompts the chain's final drafter is tuned on (`opd see` tunes on one per set): the
+tuning only ranks a few K against each other; the evaluation at the chosen K measures it."""
+
+
+def tuned_evaluation(
+    results: dict[str, StageResult], ctx: RunContext, cfg: PipelineConfig
+) -> StageResult | None:
+    """The chain's final evaluation again at the K `opd tune` measures fastest on this machine,
+    tuning the final drafter first (at the evaluation's temperature) unless it was. None when
+    the final evaluation already decoded at that K, or when nothing is served at a tuned K: no
+    evaluation, a drafter that learns nothing (prompt lookup), draft trees or typical
+    acceptance (vLLM serves fixed-K chains, losslessly)."""
+    final = results.get("evaluate")
+    if final is None or final.dataset is None or "k" not in final.dataset.meta:
+        return None
+    if cfg.drafting.tree is not None or cfg.drafting.acceptance == "typical":
+        return None
+    drafter = ctx.store.open(final.dataset.inputs["drafter"])
+    if not needs_training(drafter_kind(drafter)):
+        return None
+    prompts = ctx.store.open(final.dataset.inputs["prompts"])
+    evaluated, temperature = final.dataset.meta["k"], cfg.evaluate.temperature
+    if tuned_result(drafter, temperature) is None:
+        tune_on = heldout_prompts(prompts, cfg.evaluate.split, TUNE_PROMPTS)
+        opts = quick_options(cfg.evaluate.max_new_tokens)
+        log.info("[evaluate] timing K=1..%d on %d prompts (opd tune)", evaluated, len(tune_on))
+        run_tune(drafter, tune_on, ctx.target_loader, temperature, evaluated, opts)
+    k, _ = serving_k(drafter, temperature, evaluated)
+    if k == evaluated:
+        return None
+    # The n-gram lookup and the untrained contrast are the final evaluation's, on these prompts.
+    step = _step("evaluate", cfg, k=k, free_baseline=False, untrained_contrast=False)
+    tuned = run_stage(step.stage, step.cfg, {"prompts": prompts, "drafter": drafter}, ctx)
+    ctx.store.set_latest(final.ref)  # eval@latest stays the chain's own, the lookup beside it
+    return tuned
+
+
+def final_report(evaluation: Dataset, tuned: Dataset | None, machine: str) -> list[str]:
+    """The chain's final evaluation as a user compares it, on `machine` (its CPU or GPU and the
+    target's dtype): the drafter at its trained K and at the K `opd tune` measured fastest here
+    (`tuned`: its evaluation at that K, None when the final evaluation decoded at it), and the
+    n-gram lookup on the same prompts: τ over every verify step and the speed-up over plain
+    decoding timed beside each."""
+    meta = evaluation.meta
+    drafter = evaluation.store.open(meta["drafter"])
+    title = kind_spec(drafter_kind(drafter)).title
+    entry = tuned_result(drafter, meta["temperature"])
+    ks = {"trained": trained_k(drafter), "opd tune's": entry["serve"]["k"] if entry else None}
+    rows = []
+    for m in (meta, *((tuned.meta,) if tuned is not None else ())):
+        notes = " and ".join(name for name, k in ks.items() if k == m["k"])
+        rows.append((f"{title} K={m['k']}" + (f" ({notes} K)" if notes else ""), m))
+    if (free := meta.get("free_baseline")) is not None:
+        rows.append((f"{free.get('title', free.get('kind'))} K={meta['k']}", free))
+    width = max(len(label) for label, _ in rows)
+    lines = [
+        f"final evaluation, T={meta['temperature']:g}, {meta['prompts']} held-out prompts, "
+        f"batch 1, {machine}:"
+    ]
+    for label, m in rows:
+        speed = f", {m['speedup']:.2f}x plain decoding" if "speedup" in m else ""
+        lines.append(f"  {label:<{width}}  tau {m['tau']:.3f}{speed}")
+    return lines

@@ -84,6 +84,13 @@ def run_tune(
     return result
 
 
+def quick_options(max_new_tokens: int) -> TuneOptions:
+    """The tuning `opd see` and the chains' final evaluation run: fixed K only (vLLM serves no
+    stop threshold), the best predicted K timed beside the trained one, on half the tokens (at
+    least 16): the minutes go to the evaluation that follows."""
+    return TuneOptions(max(16, max_new_tokens // 2), thresholds=(0.0,), verify_reps=5, candidates=1)
+
+
 def record_result(path: Path, key: str, result: dict[str, Any]) -> None:
     """Merge one temperature's result into the tune file `path`. Under the file's lock, so
     two `opd tune` of one drafter keep both results; temporaries a killed tune left beside it

@@ -158,3 +158,27 @@ def test_an_opd_see_result_renders_one_row_per_drafting_decoder(tmp_path):
     [row] = [line for line in out.splitlines() if line.startswith("| [smollm2-see]")]
     assert "| EAGLE-3 K=1 | **1.300** (gsm8k 1.310) | **1.15×** | 24/24 |" in row
     assert row.endswith("| Xeon, float32, 2 threads |")
+
+
+def test_a_vllm_benchmark_renders_one_row_per_speculator_beside_vllm_plain(tmp_path):
+    def one(tau: float, speedup: float) -> dict:
+        return {"tokens_per_s": 10 * speedup, "speedup_vs_plain": speedup, "tau": tau}
+
+    plain = {"tokens_per_s": 10.0, "speedup_vs_plain": 1.0}
+    engines = {"plain": plain, "ngram": one(2.0, 1.5), "eagle3 K=1": one(1.3, 1.2)}
+    engines["eagle3 K=1"]["identical_to_plain"] = 0.5
+    engines["ngram"]["identical_to_plain"] = 1.0
+    result = {"dtype": "float32", "k": {"ngram": 4, "exports": [1]}, "prompts": {"gsm8k": 4}}
+    result |= {"by_set": {"gsm8k": engines}, "all": engines, "serve": {"plain": "vllm serve T"}}
+    saved = tmp_path / "vllm.json"
+    saved.write_text(json.dumps(result))
+    into = tmp_path / "lab" / "published"
+    publish(Store(tmp_path / "data"), str(saved), "smollm2-vllm", into=into, hardware="Xeon")
+    docs = tmp_path / "docs" / "findings.md"
+    docs.parent.mkdir()
+    out = findings.render("<!-- findings: vllm smollm2-* -->\n<!-- /findings -->\n", docs, into)
+    rows = [line for line in out.splitlines() if line.startswith("| [smollm2-vllm]")]
+    assert len(rows) == 2  # plain is what each row is measured against, not a row
+    assert "| ngram K=4 | **2.000** (gsm8k 2.000) | **1.50×** | 4/4 | 15.0 (10.0) |" in rows[0]
+    assert "| eagle3 K=1 | **1.300** (gsm8k 1.300) | **1.20×** | 2/4 | 12.0 (10.0) |" in rows[1]
+    assert rows[1].endswith("| float32, Xeon |")

@@ -31,7 +31,9 @@ def test_a_toy_kind_runs_the_sft_chain(tmp_path):
     (sft_dir,) = (p.parent for p in (tmp_path / "sft").glob("*/drafter_config.json"))
     assert json.loads((sft_dir / "drafter_config.json").read_text())["kind"] == "toy"
     assert json.loads((sft_dir / "summary.json").read_text())["drafter_kind"] == "toy"
-    (eval_dir,) = (p.parent for p in (tmp_path / "eval").glob("*/manifest.json"))
+    # the chain's evaluation (a second one, at the K `opd tune` found fastest, may be beside it)
+    record = json.loads((tmp_path / "_runs" / "default.json").read_text())
+    eval_dir = tmp_path / "eval" / record["datasets"]["evaluate"].split("@")[1]
     manifest = json.loads((eval_dir / "manifest.json").read_text())
     assert manifest["inputs"]["drafter"].startswith("sft@")
     assert manifest["meta"]["tau"] >= 1.0

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shlex
 import stat
 from types import SimpleNamespace
 
+from models import vllm_engine
 from models.vllm_engine import (
     EngineSpec,
     SpecCounters,
@@ -77,3 +80,21 @@ def test_the_engine_log_is_created_as_a_plain_file(tmp_path):
     plain.write_text("")  # how the project writes its other files: 0o666 less the umask
     assert stat.S_IMODE(log.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
     assert not log.stat().st_mode & 0o111  # was 0755: os.open's default mode is 0o777
+
+
+def test_the_serve_command_is_what_the_engine_is_started_with(monkeypatch):
+    monkeypatch.setattr(vllm_engine, "device", lambda: "cpu")
+    eagle = vllm_engine.EngineSpec("/m/target", "float32", "/m/drafter", 2, method="eagle3")
+    spec = vllm_engine.speculative_config(eagle)
+    assert spec == {"method": "eagle3", "model": "/m/drafter", "num_speculative_tokens": 2}
+    command = vllm_engine.serve_command(eagle)
+    assert shlex.split(command) == [
+        *("vllm", "serve", "/m/target", "--dtype", "float32", "--seed", "0", "--enforce-eager"),
+        *("--speculative-config", json.dumps(spec)),
+    ]
+    lookup = vllm_engine.EngineSpec("/m/target", "bfloat16", None, 4, method=vllm_engine.NGRAM)
+    assert vllm_engine.speculative_config(lookup)["prompt_lookup_max"] == 4
+    plain = shlex.split(vllm_engine.serve_command(vllm_engine.EngineSpec("/m/target", "bfloat16")))
+    assert "--speculative-config" not in plain and plain[4] == "bfloat16"
+    monkeypatch.setattr(vllm_engine, "device", lambda: "cuda")
+    assert "--enforce-eager" not in vllm_engine.serve_command(eagle)
