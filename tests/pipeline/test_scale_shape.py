@@ -48,8 +48,9 @@ SETS = [
     "rollout.max_prompts=6",
     "evaluate.max_prompts=2",
 ]
-PEAK_RSS_BOUND = 3 << 30
-"""The run's peak resident memory (measured 2.2 GB): the target (0.6 GB fp32, most of it the
+PEAK_RSS_BOUND = 7 << 29
+"""The run's peak resident memory (measured 2.2 GB alone; 3.1 GB once in a full `make test` run
+since the chain ends by tuning K and evaluating again): the target (0.6 GB fp32, most of it the
 two 128k x 512 embeddings), the drafter, its Adam state and the teacher's logits blocks."""
 
 
