@@ -60,7 +60,7 @@ SETS_JSON = ["$(BENCH)/mt_bench.jsonl","$(BENCH)/gsm8k.jsonl","humaneval"]
 see-vllm: $(VLLM_STAMP)
 	$(BIN)/python -m lab.benchmarks.bench_vllm_real --target $(DATA_ROOT)/targets/smollm2 \
 		--sets $(BENCH)/mt_bench.jsonl $(BENCH)/gsm8k.jsonl humaneval \
-		--export eagle3=$(DRAFTER) --k $(KS) --prompts-per-set $(SEE_PROMPTS) \
+		--export $(DRAFTER) --k $(KS) --prompts-per-set $(SEE_PROMPTS) \
 		--max-new-tokens $(SEE_TOKENS) $(if $(DEADLINE),--deadline-s $(DEADLINE))
 
 see-t1: $(STAMP)

@@ -223,28 +223,9 @@ def _run(
     record_results(ctx, run_name, results)
     for key, r in results.items():
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
-    final = results.get("evaluate")
     export_k = cfg.drafting.k
-    if stage in CHAINS and final is not None and final.dataset is not None:
-        from pipeline.chains import final_report, tuned_evaluation
-        from pipeline.core.quicklook import cpu_name
-        from pipeline.core.targets import resolve_dtype
-        from pipeline.core.tuning import k_report
-
-        meta = final.dataset.meta
-        if "k" in meta and "drafter" in meta:
-            tuned = tuned_evaluation(results, ctx, cfg)
-            if tuned is not None:
-                click.echo(f"{'evaluate':<12} {tuned.ref}  (at opd tune's K)")
-            temperature = meta.get("temperature", 0.0)
-            click.echo(
-                f"draft length {k_report(store.open(meta['drafter']), meta['k'], temperature)}"
-            )
-            machine = f"CPU {cpu_name()}, target dtype {resolve_dtype(ctx.target_loader.cfg)}"
-            for line in final_report(final.dataset, tuned and tuned.dataset, machine):
-                click.echo(line)
-            if tuned is not None:  # served at the K measured fastest here, as `opd export` does
-                export_k = tuned.dataset.meta["k"]
+    if stage in CHAINS:
+        export_k = _report_final_evaluation(results, ctx, cfg) or export_k
     if stage == "full":
         from pipeline.chains import export_chain_result
 
@@ -257,3 +238,29 @@ def _run(
             click.echo(f"serve with:  {info['vllm_command']}")
             if info["tree_note"]:
                 click.echo(f"trees:       {info['tree_note']}")
+
+
+def _report_final_evaluation(results: dict, ctx, cfg: PipelineConfig) -> int | None:
+    """Print a chain's final evaluation beside the n-gram lookup, at the trained K and at the K
+    `opd tune` measures fastest here; that K when it differs (the export serves it), else None."""
+    from pipeline.chains import final_report, tuned_evaluation
+    from pipeline.core.quicklook import cpu_name
+    from pipeline.core.targets import resolve_dtype
+    from pipeline.core.tuning import k_report
+
+    final = results.get("evaluate")
+    if final is None or final.dataset is None:
+        return None
+    meta = final.dataset.meta
+    if "k" not in meta or "drafter" not in meta:
+        return None
+    tuned = tuned_evaluation(results, ctx, cfg)
+    if tuned is not None:
+        click.echo(f"{'evaluate':<12} {tuned.ref}  (at opd tune's K)")
+    drafter = ctx.store.open(meta["drafter"])
+    click.echo(f"draft length {k_report(drafter, meta['k'], meta.get('temperature', 0.0))}")
+    machine = f"CPU {cpu_name()}, target dtype {resolve_dtype(ctx.target_loader.cfg)}"
+    for line in final_report(final.dataset, tuned and tuned.dataset, machine):
+        click.echo(line)
+    # Served at the K measured fastest here, as `opd export` does.
+    return None if tuned is None else tuned.dataset.meta["k"]

@@ -9,11 +9,12 @@ first turns rendered with the target's chat template. Prints one JSON object.
 
     .venv/bin/python -m lab.benchmarks.bench_vllm_real --target DIR \\
         --sets ../shared/data/prompts/mt_bench.jsonl ../shared/data/prompts/gsm8k.jsonl humaneval \\
-        --export METHOD=EXPORT_DIR [--export METHOD2=DIR2] --k 1 2 3 \\
+        --export EXPORT_DIR [--export METHOD=DIR2] --k 1 2 3 \\
         --prompts-per-set 24 --max-new-tokens 256
 
-METHOD is vLLM's speculative method for the export, the one `opd export` prints in its serve
-command; every export is served at each K given. The result names each engine's `vllm serve`
+An export is served with its kind's vLLM method (read from its `opd_drafter.json`), or with
+METHOD when given (a directory `opd export` did not write); every export is served at each K
+given. The result names each engine's `vllm serve`
 command: the same model, dtype and speculative config the run measured.
 """
 
@@ -30,8 +31,10 @@ from collections import Counter
 from pathlib import Path
 
 from models import vllm_engine
+from models.drafters import kind_spec
 from models.vllm_engine import EngineSpec
 from pipeline.core.drafters import baseline_kind
+from pipeline.core.export import DRAFTER_RECORD
 
 
 def benchmark_prompts(target_dir: Path, sets: list[str], per_set: int) -> list[tuple[str, list]]:
@@ -58,8 +61,8 @@ def main() -> None:
         "--export",
         action="append",
         default=[],
-        metavar="METHOD=DIR",
-        help="an `opd export` directory and vLLM's speculative method for it (its kind's)",
+        metavar="[METHOD=]DIR",
+        help="an `opd export` directory (served with its kind's vLLM method), or METHOD=DIR",
     )
     ap.add_argument(
         "--k",
@@ -89,7 +92,7 @@ def main() -> None:
         lookup: EngineSpec(str(args.target), args.dtype, None, args.lookup_k, method=lookup),
     }
     for item in args.export:
-        method, _, directory = item.partition("=")
+        method, directory = export_method(item)
         for k in args.k:
             engines[f"{method} K={k}"] = EngineSpec(
                 str(args.target), args.dtype, str(Path(directory).resolve()), k, method=method
@@ -99,6 +102,18 @@ def main() -> None:
     finally:  # a run stopped by Ctrl-C (or `timeout -s INT`) leaves no engine behind
         vllm_engine.close()
     print(json.dumps(result, indent=1))
+
+
+def export_method(item: str) -> tuple[str, str]:
+    """(vLLM method, directory) for `--export [METHOD=]DIR`: without METHOD, the method of the
+    kind the export's `opd_drafter.json` records."""
+    method, sep, directory = item.partition("=")
+    if sep:
+        return method, directory
+    record = Path(item) / DRAFTER_RECORD
+    if not record.is_file():
+        raise SystemExit(f"--export {item}: no {DRAFTER_RECORD} there; give METHOD=DIR")
+    return kind_spec(json.loads(record.read_text())["drafter_kind"]).serve_method, item
 
 
 def measure(
