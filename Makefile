@@ -49,12 +49,14 @@ see: $(STAMP)
 # see-vllm serves it with vLLM (`make vllm` first) beside vLLM's plain decoding and its n-gram
 # speculator, T=0, at each K in KS (DEADLINE=S: no prompt taken after S seconds, on a machine
 # where 24 prompts take too long); see-t1 decodes it in the project's loop at T=1, at the K
-# `opd tune` measures fastest there, beside plain sampling and the n-gram lookup. Both read
+# `opd tune` chooses there (TUNE_PROMPTS of the sets, taken in turn: at T=1 three prompts do not
+# separate one K from another), beside plain sampling and the n-gram lookup. Both read
 # SmolLM2 from the data root (`opd target get smollm2`, or `make see` once).
 DRAFTER ?= assets/smollm2/eagle3
 KS ?= 1 2
 SEE_PROMPTS ?= 8
 SEE_TOKENS ?= 128
+TUNE_PROMPTS ?= 6
 DATA_ROOT = $(or $(OPD_HOME),opd-data)
 SETS_JSON = ["$(BENCH)/mt_bench.jsonl","$(BENCH)/gsm8k.jsonl","humaneval"]
 see-vllm: $(VLLM_STAMP)
@@ -64,13 +66,13 @@ see-vllm: $(VLLM_STAMP)
 		--max-new-tokens $(SEE_TOKENS) $(if $(DEADLINE),--deadline-s $(DEADLINE))
 
 see-t1: $(STAMP)
-	drafter=$$($(BIN)/opd --threads 1 data import-drafter $(DRAFTER) | tail -n 1) && \
+	drafter=$$($(BIN)/opd --threads 1 data import-drafter $(DRAFTER) | tail -n 1 | cut -d" " -f1) && \
 	prompts=$$($(BIN)/opd --threads 1 run prompts --profile smollm2 --no-progress \
 		--set prompts.source=embedded --set 'prompts.heldout_sets=$(SETS_JSON)' \
 		--set prompts.max_heldout_rows=$(SEE_PROMPTS) --set prompts.max_train_rows=1 \
 		| awk '$$1 == "prompts" {print $$2}') && \
 	k=$$($(BIN)/opd tune --drafter $$drafter --prompts $$prompts --temperature 1 \
-		--max-prompts 3 --repeats 1 --candidates 1 --profile smollm2 --json \
+		--max-prompts $(TUNE_PROMPTS) --repeats 1 --candidates 1 --profile smollm2 --json \
 		--set evaluate.max_new_tokens=$(SEE_TOKENS) \
 		| $(BIN)/python -c 'import json, sys; print(json.load(sys.stdin)["serve"]["k"])') && \
 	$(BIN)/opd --threads 1 eval --drafter $$drafter --prompts $$prompts --temperature 1 --k $$k \

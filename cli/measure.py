@@ -260,10 +260,11 @@ def tune_cmd(
             predicted = row["predicted"]["speedup_vs_plain"]
             speed += f" {row['speedup_vs_plain']:.2f}x (predicted {predicted:.2f}x)"
         click.echo(f"  {name:<12} {what:<18} {speed}")
-    best, serve = result["best_measured"], result["serve"]
+    chosen, serve = result["chosen"], result["serve"]
     click.echo(
-        f"fastest at T={temperature}: K={best['k']} stop={best['threshold']} "
-        f"({best['speedup_vs_plain']}x); serve with K={serve['k']} (vLLM drafts a fixed K)"
+        f"chosen at T={temperature} ({chosen['by']}): K={chosen['k']} stop={chosen['threshold']} "
+        f"({chosen['speedup_vs_plain']}x measured); serve with K={serve['k']} (vLLM drafts a "
+        "fixed K)"
     )
 
 

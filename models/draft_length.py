@@ -23,6 +23,7 @@ the model assumes acceptance does not depend on where a step starts.)
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -195,15 +196,20 @@ def decode_all(
     logs: list[tuple[dict, dict]] = []
     totals = {"steps": 0, "emitted": 0, "accepted_plus_1": 0, "forwards": 0}
     inside = {"target": 0.0, "drafter": 0.0}
+    per_batch: list[tuple[int, float]] = []  # (tokens, seconds) of each batch
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
+        began = time.perf_counter()
         if shape is None:
-            seqs += target_generate(target, chunk, max_new, temperature, seed=i).sequences
+            out = target_generate(target, chunk, max_new, temperature, seed=i).sequences
+            seqs += out
+            per_batch.append((sum(map(len, out)), time.perf_counter() - began))
             continue
         cfg = SpecConfig(shape, temperature=temperature, max_new_tokens=max_new, seed=i)
         res = speculative_generate(target, drafter, chunk, cfg)
         seqs += res.sequences
+        per_batch.append((sum(map(len, res.sequences)), time.perf_counter() - began))
         logs.append((res.records, res.steps))
         totals["steps"] += len(res.steps["accepted"])
         totals["emitted"] += sum(res.steps["emitted"])
@@ -213,7 +219,13 @@ def decode_all(
         inside["drafter"] += res.stats["drafter_forward_seconds"]
     wall = time.perf_counter() - start
     tokens = sum(len(s) for s in seqs)
-    out: dict[str, Any] = {"wall_s": wall, "tokens": tokens, "sequences": seqs, "logs": logs}
+    out: dict[str, Any] = {
+        "wall_s": wall,
+        "tokens": tokens,
+        "sequences": seqs,
+        "logs": logs,
+        "per_batch": per_batch,
+    }
     if shape is not None:
         steps = max(1, totals["steps"])
         out |= {
@@ -342,7 +354,9 @@ def measure_side_by_side(
     opts: TuneOptions,
 ) -> dict[str, dict[str, Any]]:
     """Each decoder (None: plain) over all prompts at batch 1, after a warm-up of each,
-    alternating, the fastest of `repeats`; rows with tokens/s and speed-up over plain."""
+    alternating, the fastest of `repeats`; rows with tokens/s and speed-up over plain, and each
+    prompt's tokens/s in its least disturbed repeat (a prompt decodes the same tokens in every
+    repeat: its seed is its index)."""
     for shape in shapes.values():
         decode_all(target, drafter, prompts[:1], 1, temperature, shape, 4)
     runs: dict[str, list[dict]] = {name: [] for name in shapes}
@@ -352,7 +366,48 @@ def measure_side_by_side(
                 decode_all(target, drafter, prompts, 1, temperature, shape, opts.max_new_tokens)
             )
     fastest = {name: min(r, key=lambda x: x["wall_s"]) for name, r in runs.items()}
-    return {name: _row(run, fastest["plain"], temperature) for name, run in fastest.items()}
+    rows = {name: _row(run, fastest["plain"], temperature) for name, run in fastest.items()}
+    for name, repeats in runs.items():
+        rows[name]["per_prompt_tokens_per_s"] = [
+            round(tokens / min(run["per_batch"][i][1] for run in repeats), 3)
+            for i, (tokens, _) in enumerate(repeats[0]["per_batch"])
+        ]
+    return rows
+
+
+# One-sided 95% quantiles of Student's t for 1..10 degrees of freedom; past 10, the normal's.
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812)
+
+
+def faster_beyond_noise(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether decoder `a` is faster than `b` on the same prompts beyond the prompts' spread:
+    a, b are tokens/s per prompt (paired); the one-sided 95% lower bound of the mean log ratio
+    is above 0. One prompt never separates them."""
+    d = [math.log(x / y) for x, y in zip(a, b, strict=True)]
+    if len(d) < 2:
+        return False
+    t = _T95[len(d) - 2] if len(d) - 2 < len(_T95) else 1.645
+    return statistics.fmean(d) - t * statistics.stdev(d) / math.sqrt(len(d)) > 0
+
+
+def choose(measured: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> tuple[str, str]:
+    """Among the measured settings `names` (rows of `tune`'s "measured"), the one to serve and
+    what chose it: the predicted fastest ("predicted"), unless another is measured faster on
+    the same prompts beyond their spread ("measured": the fastest such). The prediction replays
+    the same logged steps under every setting, so it compares them on equal draws; a timing of
+    a few prompts does not: at T=1 a long K can out-sample a short one on three prompts by
+    chance and lose on the next thirty. Predicted ties go to the smaller K, then threshold."""
+
+    def rank(n: str) -> tuple[float, int, float]:
+        row = measured[n]
+        return (-row["predicted"]["tokens_per_s"], row["setting"]["k"], row["setting"]["threshold"])
+
+    ref = min(names, key=rank)
+    per_prompt = {n: measured[n]["per_prompt_tokens_per_s"] for n in names}
+    beat = [n for n in names if n != ref and faster_beyond_noise(per_prompt[n], per_prompt[ref])]
+    if not beat:
+        return ref, "predicted"
+    return max(beat, key=lambda n: measured[n]["tokens_per_s"]), "measured"
 
 
 def tune(
@@ -365,14 +420,20 @@ def tune(
     opts: TuneOptions,
 ) -> dict[str, Any]:
     """Calibrate, predict every K <= depth and threshold, then measure plain, the default
-    (K = default_k, no stop) and the `candidates` best predicted settings side by side.
-    `best_measured` is the fastest measured speculative setting."""
+    (K = default_k, no stop), the `candidates` best predicted settings and the best predicted
+    without a threshold side by side.
+    `chosen` is the setting `choose` picks among them."""
     logged, costs, calib = calibrate(target, drafter, prompts, temperature, depth, opts)
     n = len(prompts)
     predictions = sweep(logged, costs, range(1, depth + 1), opts.thresholds, n)
     predicted = {"default": predict(logged, costs, default_k, prompts=n)}
     for i, p in enumerate(ranked(predictions)[: opts.candidates]):
         predicted["best" if i == 0 else f"candidate_{i + 1}"] = p
+    # vLLM serves a fixed K: the best one without a threshold is timed too, else a stop
+    # threshold on every candidate would leave the trained K the only fixed K to serve.
+    fixed = ranked([p for p in predictions if p.threshold == 0])[:1]
+    if fixed and fixed[0] not in predicted.values():
+        predicted["best_fixed"] = fixed[0]
     shapes: dict[str, Shape | None] = {"plain": None}
     shapes |= {name: ChainShape(p.k, p.threshold) for name, p in predicted.items()}
     measured = measure_side_by_side(target, drafter, prompts, temperature, shapes, opts)
@@ -383,11 +444,11 @@ def tune(
         measured[name]["predicted"] = _prediction(p, plain_tps)
         measured[name]["setting"] = {"k": p.k, "threshold": p.threshold}
     spec = [name for name in predicted if name != "calibration"]
-    fastest = max(spec, key=lambda name: measured[name]["tokens_per_s"])
+    chosen, by = choose(measured, spec)
     return {
         "temperature": temperature,
-        "best_measured": {"name": fastest, **measured[fastest]["setting"]}
-        | {"speedup_vs_plain": measured[fastest]["speedup_vs_plain"]},
+        "chosen": {"name": chosen, "by": by, **measured[chosen]["setting"]}
+        | {"speedup_vs_plain": measured[chosen]["speedup_vs_plain"]},
         "calibration_steps": len(logged),
         "costs": _costs_report(costs),
         "measured": measured,

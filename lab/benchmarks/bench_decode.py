@@ -23,7 +23,7 @@ run, on the same prompts and budget, each temperature's two tunings back to back
 Prints one JSON object: `speedup_best_t{0,1}`, `best_k_t{0,1}`, `best_threshold_t{0,1}`,
 `speedup_default_t{0,1}` (measured) and `predicted_speedup_{best,default}_t{0,1}` first, then per
 drafter by its label (`dflash` for a DFlash drafter, `chain` for EAGLE-3):
-`speedup_{label}_t{0,1}` (its fastest measured setting), `tau_{label}_t{0,1}` and
+`speedup_{label}_t{0,1}` (the setting `opd tune` chooses), `tau_{label}_t{0,1}` and
 `drafter_share_{label}_t{0,1}` (the share of decoding time in drafter forwards) there; per
 temperature the costs, measured vs predicted for each measured setting (and the calibration),
 and the whole sweep. At T=0 `lossless` says whether a decoder's tokens equal plain greedy
@@ -74,7 +74,7 @@ def headline(settings: list[dict[str, Any]], label: str, *, main: bool) -> dict[
     out: dict[str, Any] = {}
     for s in settings:
         t, m = int(s["temperature"]), s["measured"]
-        best = m[s["best_measured"]["name"]]
+        best = m[s["chosen"]["name"]]
         out |= {
             f"speedup_{label}_t{t}": best["speedup_vs_plain"],
             f"tau_{label}_t{t}": best["tau"],

@@ -5,12 +5,16 @@ Tuning runs `models.draft_length.tune` on the held-out prompts `evaluate` decode
 serving temperature, batch 1: a calibration decode at the drafter's trained depth gives the
 acceptance of every step and the measured costs, the cost model predicts tokens/s for every K
 and threshold, and the best predicted settings are measured side by side with plain decoding
-and the configured K. The fastest measured setting is recorded, per temperature, in
+and the configured K. The setting `models.draft_length.choose` picks (the predicted fastest,
+unless another measured beside it is faster beyond the prompts' spread) is recorded, per
+temperature, in
 `<root>/_tune/<NAME-VERSION>.json`: not a dataset, since wall-clock numbers belong to the
 machine that measured them, not to the drafter.
 
 vLLM serves a fixed `num_speculative_tokens` and has no confidence stop, so the K recorded for
-serving is the fastest measured K among the settings without a threshold.
+serving is the one `choose` picks among the settings without a threshold. The prompts are
+taken from each held-out set in turn, so a tune on a few of them does not read one benchmark
+only.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from typing import Any
 
 import polars as pl
 
-from models.draft_length import TuneOptions, tune
+from models.draft_length import TuneOptions, choose, tune
 from pipeline.core.drafters import load_drafter_dataset, trained_depth
+from pipeline.core.stage import HELDOUT_SETS
 from pipeline.core.targets import TargetLoader
 from storage import Dataset, OpdError
 from storage.jsonfile import UnreadableJson, read_json_object
@@ -41,17 +46,16 @@ def tune_file(drafter_ds: Dataset) -> Path:
 
 
 def heldout_prompts(prompts_ds: Dataset, split: str, max_prompts: int) -> list[list[int]]:
-    rows = (
-        prompts_ds.scan()
-        .filter(pl.col("split") == split)
-        .head(max_prompts)
-        .select("prompt_ids")
-        .collect()["prompt_ids"]
-        .to_list()
-    )
-    if not rows:
+    """The first `max_prompts` of `split`; of held-out sets (module docstring), one of each
+    set in turn."""
+    rows = prompts_ds.scan().filter(pl.col("split") == split).with_row_index("row")
+    if split == "heldout" and prompts_ds.meta.get(HELDOUT_SETS):
+        held_set = pl.col("source").str.split(":").list.first()
+        rows = rows.sort(pl.int_range(pl.len()).over(held_set), "row")
+    picked = rows.head(max_prompts).select("prompt_ids").collect()["prompt_ids"].to_list()
+    if not picked:
         raise OpdError(f"{prompts_ds.ref} has no {split!r} prompts to tune on")
-    return rows
+    return picked
 
 
 def run_tune(
@@ -73,9 +77,10 @@ def run_tune(
     measured = result["measured"]
     chains = [n for n in measured if n not in ("plain", "calibration")]
     fixed = [n for n in chains if measured[n]["setting"]["threshold"] == 0]
-    serve = max(fixed or chains, key=lambda n: measured[n]["tokens_per_s"])
+    serve, by = choose(measured, fixed or chains)
     result["serve"] = {
         "k": measured[serve]["setting"]["k"],
+        "by": by,
         "speedup_vs_plain": measured[serve]["speedup_vs_plain"],
         "prompts": len(prompts),
         "drafter_depth": depth,
@@ -139,7 +144,7 @@ def tuned_result(drafter_ds: Dataset, temperature: float) -> dict[str, Any] | No
 
 def k_report(drafter_ds: Dataset, k: int, temperature: float = 0.0) -> str:
     """One line naming the K a drafter was decoded at beside its trained K and the K `opd
-    tune` measured fastest on this machine (or the command that measures it)."""
+    tune` chose on this machine (or the command that measures it)."""
     trained = trained_k(drafter_ds)
     said = f"K={k}" + (f" (trained K={trained})" if trained is not None else "")
     entry = tuned_result(drafter_ds, temperature)
@@ -151,9 +156,10 @@ def k_report(drafter_ds: Dataset, k: int, temperature: float = 0.0) -> str:
     serve = entry["serve"]
     at_trained = entry.get("measured", {}).get("default", {}).get("speedup_vs_plain")
     there = f", trained K {at_trained}x in the same timing" if at_trained is not None else ""
+    by = f", {serve['by']} fastest" if "by" in serve else ""
     return (
-        f"{said}; `opd tune` measured K={serve['k']} fastest here ({serve['speedup_vs_plain']}x "
-        f"plain decoding on {serve['prompts']} prompts{there})"
+        f"{said}; `opd tune` chose K={serve['k']} here ({serve['speedup_vs_plain']}x plain "
+        f"decoding on {serve['prompts']} prompts{by}{there})"
     )
 
 

@@ -8,6 +8,8 @@ from models.draft_length import (
     LoggedStep,
     Prediction,
     StepCosts,
+    choose,
+    faster_beyond_noise,
     predict,
     ranked,
     replay_step,
@@ -125,3 +127,35 @@ def test_sweep_and_ranking():
     assert top.tokens_per_s == max(p.tokens_per_s for p in preds)
     tie = [Prediction(3, 0.1, 1, 1, 1, 5.0), Prediction(2, 0.2, 1, 1, 1, 5.0)]
     assert ranked(tie)[0].k == 2
+
+
+def test_faster_beyond_noise_needs_a_consistent_gain_over_the_prompts():
+    assert faster_beyond_noise([12.0, 13.0, 12.5], [10.0, 10.4, 10.1])  # every prompt faster
+    assert not faster_beyond_noise([10.0, 10.4, 10.1], [12.0, 13.0, 12.5])
+    assert not faster_beyond_noise([20.0, 9.0, 10.0], [10.0, 10.0, 10.0])  # one lucky prompt
+    assert not faster_beyond_noise([20.0], [10.0])  # one prompt never separates them
+    assert faster_beyond_noise([11.0] * 4, [10.0] * 4)  # no spread: any gain counts
+
+
+def _row(k, predicted_tps, tps, per_prompt):
+    return {
+        "setting": {"k": k, "threshold": 0.0},
+        "predicted": {"tokens_per_s": predicted_tps},
+        "tokens_per_s": tps,
+        "per_prompt_tokens_per_s": per_prompt,
+    }
+
+
+def test_choose_keeps_the_prediction_unless_a_measurement_beats_it_beyond_noise():
+    measured = {
+        "best": _row(1, 20.0, 17.0, [17.0, 16.0, 18.0]),
+        # measured faster in total, thanks to one prompt's lucky draws: not beyond noise
+        "default": _row(6, 10.0, 19.0, [30.0, 12.0, 15.0]),
+    }
+    assert choose(measured, ["best", "default"]) == ("best", "predicted")
+    measured["default"] = _row(6, 10.0, 22.0, [22.0, 21.0, 23.5])  # faster on every prompt
+    assert choose(measured, ["best", "default"]) == ("default", "measured")
+    # the reference is the predicted fastest of the names given, ties to the smaller K
+    measured["default"] = _row(6, 20.0, 22.0, [17.0, 16.0, 18.0])
+    assert choose(measured, ["default", "best"]) == ("best", "predicted")
+    assert choose(measured, ["default"]) == ("default", "predicted")
