@@ -23,6 +23,7 @@ and Draft-OPD's losses on it whenever its logits are a `HeadLogits`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -102,6 +103,43 @@ class HeadLogits:
             if top
             else flat.new_zeros(self.hidden.shape[:-1], dtype=torch.long)
         )
+
+
+@dataclass(frozen=True)
+class HeadSlots:
+    """Logits [.., K, V] whose K slots each read their own head (Medusa's heads): slot k is
+    `slots[k]` [.., V]. Stands in for the stacked logits where a loss reads them fused, one
+    `head_loss` per head (`by_head`); `materialize` stacks them whole (the unfused path)."""
+
+    slots: tuple[HeadLogits, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        first = self.slots[0].shape
+        return torch.Size((*first[:-1], len(self.slots), first[-1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots[0].device
+
+    def dim(self) -> int:
+        return self.slots[0].dim() + 1
+
+    def __truediv__(self, temperature: float) -> HeadSlots:
+        return HeadSlots(tuple(x / temperature for x in self.slots))
+
+    def materialize(self) -> Tensor:
+        """The logits themselves [.., K, V] fp32."""
+        return torch.stack([x.materialize() for x in self.slots], dim=-2)
+
+
+def by_head(slots: Sequence[HeadLogits]) -> list[list[int]]:
+    """The slots' indices grouped by the head they read alike (weight, dtype, scale, chunk):
+    one `head_loss` a group keeps one head-gradient buffer for all of its slots."""
+    groups: dict[tuple, list[int]] = {}
+    for k, x in enumerate(slots):
+        groups.setdefault((id(x.weight), x.dtype, x.scale, x.chunk_elements), []).append(k)
+    return list(groups.values())
 
 
 def _chunk_rows(vocab: int, chunk_elements: int) -> int:
