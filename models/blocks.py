@@ -24,7 +24,7 @@ from torch import Tensor
 from models.acceptance import AcceptanceStats
 from models.drafter import Proposal, Replayed
 from models.features import Features
-from models.head_loss import HeadLogits, head_loss
+from models.head_loss import HeadLogits, by_head, head_loss
 from models.losses import (
     Logits,
     acceptance_rate,
@@ -98,13 +98,11 @@ def _fused_block_loss(
         raise ValueError(
             f"valid has shape {tuple(valid.shape)}, expected {(*anchors.shape, len(slots))}"
         )
-    groups: dict[tuple, list[int]] = {}  # slots that read one head alike
     for k, x in enumerate(slots):
         if x.shape[:-1] != anchors.shape:
             raise ValueError(f"slot {k} has shape {tuple(x.shape)}, anchors {tuple(anchors.shape)}")
-        groups.setdefault((id(x.weight), x.dtype, x.scale, x.chunk_elements), []).append(k)
     total = []
-    for ks in groups.values():
+    for ks in by_head(slots):
         hidden, items, positions, weights = [], [], [], []
         for k in ks:
             n, a = valid[:, :, k].nonzero(as_tuple=True)  # [M_k] each
@@ -149,7 +147,7 @@ def block_acceptance(
 
 def block_replay_logits(out: BlockUnroll, anchor: Tensor, *, lazy: bool = False) -> Logits:
     """The drafter's logits [R, K, Vd] along each replay of an unroll given replays (with
-    `lazy`, a `HeadLogits` where the unroll's are one, as DFlash's)."""
+    `lazy`, as the unroll holds them: DFlash's a `HeadLogits`, Medusa's a `HeadSlots`)."""
     if out.replayed is None or out.replayed.shape[0] != len(anchor):
         raise ValueError("replay_logits needs the unroll that was given these replays")
     return out.replayed if lazy else materialized(out.replayed)

@@ -319,7 +319,8 @@ class TrainableDrafter(Drafter):
     @abstractmethod
     def replay_logits(self, out: Any, item: Tensor, anchor: Tensor, *, lazy: bool = False) -> Any:
         """The drafter's logits [N, K, Vd] along each replay of an unroll given replays; with
-        `lazy` they may be a `models.head_loss.HeadLogits` (the losses' fused head reads them)."""
+        `lazy` they may be a `models.head_loss.HeadLogits` or `HeadSlots` (the losses read
+        them fused)."""
 
     @abstractmethod
     def rollout_ce_loss(

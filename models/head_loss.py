@@ -23,6 +23,7 @@ and Draft-OPD's losses on it whenever its logits are a `HeadLogits`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -92,7 +93,7 @@ class HeadLogits:
             raise ValueError(f"a head's argmax is over the vocabulary (dim -1), got dim={dim}")
         flat = self.hidden.reshape(-1, self.hidden.shape[-1])  # [N, H]
         weight = self.weight.to(self.dtype)
-        rows = _chunk_rows(self.weight.shape[0], self.chunk_elements)
+        rows = _chunk_rows(len(flat), self.weight.shape[0], self.chunk_elements)
         top = [
             F.linear(flat[i : i + rows].to(self.dtype), weight).argmax(-1)
             for i in range(0, len(flat), rows)
@@ -104,10 +105,52 @@ class HeadLogits:
         )
 
 
-def _chunk_rows(vocab: int, chunk_elements: int) -> int:
+@dataclass(frozen=True)
+class HeadSlots:
+    """Logits [.., K, V] whose K slots each read their own head (Medusa's heads): slot k is
+    `slots[k]` [.., V]. Stands in for the stacked logits where a loss reads them fused, one
+    `head_loss` per head (`by_head`); `materialize` stacks them whole (the unfused path)."""
+
+    slots: tuple[HeadLogits, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        first = self.slots[0].shape
+        return torch.Size((*first[:-1], len(self.slots), first[-1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots[0].device
+
+    def dim(self) -> int:
+        return self.slots[0].dim() + 1
+
+    def __truediv__(self, temperature: float) -> HeadSlots:
+        return HeadSlots(tuple(x / temperature for x in self.slots))
+
+    def materialize(self) -> Tensor:
+        """The logits themselves [.., K, V] fp32."""
+        return torch.stack([x.materialize() for x in self.slots], dim=-2)
+
+
+def by_head(slots: Sequence[HeadLogits]) -> list[list[int]]:
+    """The slots' indices grouped by the head they read alike (weight, dtype, scale, chunk):
+    one `head_loss` a group keeps one head-gradient buffer for all of its slots."""
+    groups: dict[tuple, list[int]] = {}
+    for k, x in enumerate(slots):
+        groups.setdefault((id(x.weight), x.dtype, x.scale, x.chunk_elements), []).append(k)
+    return list(groups.values())
+
+
+def _chunk_rows(n: int, vocab: int, chunk_elements: int) -> int:
+    """Rows a chunk of n: at most chunk_elements // vocab, the n split into equal chunks. Each
+    chunk's product reads the whole head, so a short last chunk (11 rows after ten of 85, for
+    MTP's 49k-id head) costs nearly a full chunk's time."""
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
-    return max(1, chunk_elements // vocab)
+    most = max(1, chunk_elements // vocab)
+    chunks = max(1, -(-n // most))
+    return max(1, -(-n // chunks))
 
 
 def chunk_loss_and_grad(
@@ -140,8 +183,8 @@ class _HeadLoss(torch.autograd.Function):
         ctx,
         hidden: Tensor,  # [N, H]
         weight: Tensor,  # [V, H]
-        teacher: Tensor,  # [.., V]
-        teacher_rows: tuple[Tensor, ...],  # per leading dim of `teacher` [N]
+        teacher: Tensor,  # [M, V]
+        teacher_rows: Tensor,  # [N] the row of `teacher` each row is scored against
         fwd: Tensor,  # [N]
         rev: Tensor | None,  # [N]
         dtype: torch.dtype,
@@ -151,7 +194,7 @@ class _HeadLoss(torch.autograd.Function):
     ) -> Tensor:
         wants_hidden, wants_weight = ctx.needs_input_grad[:2]
         w = weight.to(dtype)
-        rows = _chunk_rows(weight.shape[0], chunk_elements)
+        rows = _chunk_rows(hidden.shape[0], weight.shape[0], chunk_elements)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if wants_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants_weight else None
@@ -160,7 +203,7 @@ class _HeadLoss(torch.autograd.Function):
             z = F.linear(h, w).float()  # [c, V]
             if scale != 1.0:
                 z = z * scale
-            p = teacher[tuple(ix[i : i + rows] for ix in teacher_rows)].float()  # [c, V]
+            p = teacher.index_select(0, teacher_rows[i : i + rows]).float()  # [c, V]
             r = rev[i : i + rows] if rev is not None else None
             loss, g, factor = chunk_loss_and_grad(z, p, fwd[i : i + rows], r, entropy)
             total += loss.sum()
@@ -197,10 +240,10 @@ def head_loss(
     """sum_n of the rows' weighted losses (module docstring), fused and chunked.
 
     logits: the rows' head [N, V] (a `HeadLogits` of 2-d hidden states); teacher [.., V] (no
-    gradient; a view is fine) and teacher_rows, one [N] index per leading dim of it: the row
-    each logits row is scored against, read a chunk at a time so that shifted teachers are
-    never copied whole; fwd, rev [N] the rows' weights on the soft CE (forward KL with
-    `entropy`) and on the reverse KL (None: 0).
+    gradient; contiguous, else copied) and teacher_rows, one [N] non-negative index per
+    leading dim of it: the row each logits row is scored against, read a chunk at a time so
+    that shifted teachers are never copied whole; fwd, rev [N] the rows' weights on the soft
+    CE (forward KL with `entropy`) and on the reverse KL (None: 0).
     """
     if logits.hidden.dim() != 2:
         raise ValueError(f"head_loss reads [N, H] rows, got {tuple(logits.hidden.shape)}")
@@ -214,11 +257,17 @@ def head_loss(
         if t is not None and tuple(t.shape) != (n,):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({n},)")
     grads = torch.is_grad_enabled()  # else no gradient is computed, not even in the forward
+    # one flat row index: index_select copies a chunk's rows faster than a tuple index does
+    # (5.4 against 7.5 ms for MTP's [85, 49152] chunk on this project's Xeon, fp32)
+    teacher = teacher.detach().contiguous()  # the teachers the losses pass are: no copy
+    flat = torch.zeros(n, dtype=torch.long, device=teacher.device)  # [N]
+    for size, ix in zip(teacher.shape[:-1], teacher_rows, strict=True):
+        flat = flat * size + ix
     return _HeadLoss.apply(
         logits.hidden if grads else logits.hidden.detach(),
         logits.weight if grads else logits.weight.detach(),
-        teacher.detach(),
-        tuple(teacher_rows),
+        teacher.view(-1, teacher.shape[-1]),
+        flat,
         fwd.float(),
         None if rev is None else rev.float(),
         logits.dtype,

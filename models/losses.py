@@ -6,7 +6,7 @@ arithmetic, so whatever they hold (even NaN) changes neither the value nor the g
 losses are means over the unmasked positions; with none, the result is a graph-connected 0.
 
 Draft logits may be a `models.head_loss.HeadLogits` (a head not yet applied to its hidden
-states) wherever the soft CE, the forward / reverse KL or Draft-OPD's losses read them: the
+states), or a `HeadSlots` (slots along dim -2 that each read their own head) wherever the soft CE, the forward / reverse KL or Draft-OPD's losses read them: the
 loss is then the fused, chunked `head_loss`, which never builds the [rows, Vd] logits whole;
 the same value and gradients as on the materialized logits.
 """
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.head_loss import HeadLogits, head_loss
+from models.head_loss import HeadLogits, HeadSlots, by_head, head_loss
 from models.teacher import TeacherLogits
 from models.vocab import DraftVocab
 
@@ -129,44 +129,78 @@ def _mean_rows(per_row: Tensor) -> Tensor:
     return per_row.sum() / max(per_row.numel(), 1)
 
 
-Logits = Tensor | HeadLogits
+Fused = HeadLogits | HeadSlots
+Logits = Tensor | Fused
 
 
 def _head_rows(
-    mask: Tensor, logits: HeadLogits, teacher: Tensor
-) -> tuple[HeadLogits, tuple[Tensor, ...]]:
-    """The masked-in rows of a head [N, H] and their index into `teacher` (same leading shape)."""
+    mask: Tensor, logits: Fused, teacher: Tensor
+) -> list[tuple[HeadLogits, tuple[Tensor, ...]]]:
+    """The masked-in rows of each head [N, H] and their index into `teacher` (same leading
+    shape as the logits): one head, or one per head of `HeadSlots` (slot k at index k of
+    dim -2)."""
     _check_mask(mask, logits.shape[:-1], "loss")
     if teacher.shape != logits.shape:
         raise ValueError(f"shape mismatch: {tuple(logits.shape)} vs {tuple(teacher.shape)}")
-    index = mask.nonzero(as_tuple=True)
-    return logits[index], index
+    if isinstance(logits, HeadLogits):
+        index = mask.nonzero(as_tuple=True)
+        return [(logits[index], index)]
+    groups = []
+    for ks in by_head(logits.slots):
+        hidden, index = [], []
+        for k in ks:
+            lead = mask[..., k].nonzero(as_tuple=True)  # [M_k] each
+            hidden.append(logits.slots[k].hidden[lead])  # [M_k, H]
+            index.append((*lead, torch.full_like(lead[0], k)))
+        rows = replace(logits.slots[ks[0]], hidden=torch.cat(hidden))  # [sum M_k, H]
+        groups.append((rows, tuple(torch.cat(ix) for ix in zip(*index, strict=True))))
+    return groups
+
+
+def _fused_sum(
+    logits: Fused,
+    teacher: Tensor,
+    mask: Tensor,
+    fwd: Tensor,
+    rev: Tensor | None = None,
+    *,
+    entropy: bool = False,
+) -> Tensor:
+    """`head_loss` over the masked-in rows of every head; fwd, rev the rows' weights in the
+    mask's shape."""
+    total = [
+        head_loss(
+            rows, teacher, index, fwd[index], None if rev is None else rev[index], entropy=entropy
+        )
+        for rows, index in _head_rows(mask, logits, teacher)
+    ]
+    return total[0] if len(total) == 1 else torch.stack(total).sum()
 
 
 def _fused_mean(
-    logits: HeadLogits, teacher: Tensor, mask: Tensor, *, forward: bool, entropy: bool = False
+    logits: Fused, teacher: Tensor, mask: Tensor, *, forward: bool, entropy: bool = False
 ) -> Tensor:
     """Mean over masked-in rows of the soft CE (forward KL with `entropy`), or of the reverse KL."""
-    rows, index = _head_rows(mask, logits, teacher)
-    n = len(index[0])
-    weight = torch.full((n,), 1 / max(n, 1), device=mask.device)  # [N]
-    zero = torch.zeros_like(weight)
+    _check_mask(mask, logits.shape[:-1], "loss")
+    n = int(mask.sum())
+    weight = torch.full(mask.shape, 1 / max(n, 1), device=mask.device)  # [..]
     if forward:
-        return head_loss(rows, teacher, index, weight, entropy=entropy)
-    return head_loss(rows, teacher, index, zero, weight)
+        return _fused_sum(logits, teacher, mask, weight, entropy=entropy)
+    return _fused_sum(logits, teacher, mask, torch.zeros_like(weight), weight)
 
 
 def soft_cross_entropy(draft_logits: Logits, teacher_probs: Tensor, mask: Tensor) -> Tensor:
     """Mean over masked-in rows of -sum_v p_v log q_v. draft_logits, teacher_probs [B, T, Vd]; mask [B, T]."""
-    if isinstance(draft_logits, HeadLogits):
+    if isinstance(draft_logits, Fused):
         return _fused_mean(draft_logits, teacher_probs, mask, forward=True)
     logits, p = _rows(mask, draft_logits, teacher_probs)  # [N, Vd]
     return _mean_rows(-(p * _at_least_fp32(logits).log_softmax(-1)).sum(-1))
 
 
 def materialized(logits: Logits) -> Tensor:
-    """Logits as a tensor: a `HeadLogits` computed whole (the unfused path), a tensor as is."""
-    return logits.materialize() if isinstance(logits, HeadLogits) else logits
+    """Logits as a tensor: a `HeadLogits` / `HeadSlots` computed whole (the unfused path), a
+    tensor as is."""
+    return logits if isinstance(logits, Tensor) else logits.materialize()
 
 
 def ttt_loss(
@@ -203,7 +237,7 @@ def _reverse_kl_rows(logits: Tensor, p: Tensor) -> Tensor:
 
 def forward_kl(draft_logits: Logits, teacher_probs: Tensor, mask: Tensor) -> Tensor:
     """Mean KL(p || q) over masked-in rows (mass-covering; = soft CE minus the teacher's entropy)."""
-    if isinstance(draft_logits, HeadLogits):
+    if isinstance(draft_logits, Fused):
         return _fused_mean(draft_logits, teacher_probs, mask, forward=True, entropy=True)
     logits, p = _rows(mask, draft_logits, teacher_probs)
     return _mean_rows(_forward_kl_rows(logits, p))
@@ -212,7 +246,7 @@ def forward_kl(draft_logits: Logits, teacher_probs: Tensor, mask: Tensor) -> Ten
 def reverse_kl(draft_logits: Logits, teacher_probs: Tensor, mask: Tensor) -> Tensor:
     """Exact mean KL(q || p) over the draft vocab (mode-seeking). p must be normalised on the draft
     vocab (teacher_draft_probs with renormalize=True) and temperature > 0, else the KL is infinite."""
-    if isinstance(draft_logits, HeadLogits):
+    if isinstance(draft_logits, Fused):
         return _fused_mean(draft_logits, teacher_probs, mask, forward=False)
     logits, p = _rows(mask, draft_logits, teacher_probs)
     return _mean_rows(_reverse_kl_rows(logits, p))
@@ -268,7 +302,7 @@ def total_variation(q_full: Tensor, p_full: Tensor) -> Tensor:
 
 
 def _fused_opd(
-    logits: HeadLogits,
+    logits: Fused,
     teacher: Tensor,
     mask: Tensor,
     fitted: Tensor,
@@ -279,11 +313,10 @@ def _fused_opd(
 ) -> Tensor:
     """One fused pass of Draft-OPD's sum over masked-in rows: forward KL on `fitted`, the
     `weights`-decayed reverse KL on `rejected` (all [B, K]), over the masked-in count."""
-    rows, index = _head_rows(mask, logits, teacher)
     denom = max(int(mask.sum()), 1)
-    fwd = lambda_accept * fitted[index].float() / denom  # [N]
-    rev = lambda_reject * (weights[index] * rejected[index].float()) / denom  # [N]
-    return head_loss(rows, teacher, index, fwd, rev, entropy=True)
+    fwd = lambda_accept * fitted.float() / denom  # [B, K]
+    rev = lambda_reject * (weights * rejected.float()) / denom  # [B, K]
+    return _fused_sum(logits, teacher, mask, fwd, rev, entropy=True)
 
 
 def draft_opd_loss(
@@ -318,7 +351,7 @@ def draft_opd_loss(
     weights = weights.expand(mask.shape)
     # [B, K] the accepted drafts, and with fit_boundary the first rejected one as well
     fitted = accepted | _on_path(accepted)[0] if fit_boundary else accepted
-    if isinstance(draft_logits, HeadLogits):
+    if isinstance(draft_logits, Fused):
         return _fused_opd(
             draft_logits,
             teacher_probs,
@@ -377,7 +410,7 @@ def block_opd_loss(
     rejected = ~all_before  # [B, K] the boundary and every slot after it
     weights = gamma ** torch.arange(K, device=draft_logits.device, dtype=torch.float32)
     weights = weights.expand(mask.shape)  # [B, K]
-    if isinstance(draft_logits, HeadLogits):
+    if isinstance(draft_logits, Fused):
         return _fused_opd(
             draft_logits, teacher, mask, on_path, rejected, weights, lambda_accept, lambda_reject
         )

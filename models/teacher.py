@@ -112,7 +112,9 @@ def draft_logits(last_hidden: Tensor, lm_head_weight: Tensor, draft_ids: Tensor)
     Vd/V of the whole head's cost. All that a renormalised training teacher reads
     (`models.losses.renormalised_teacher`); equal to `teacher_logits(..).draft` up to the float
     rounding of a product of another shape."""
-    weight = lm_head_weight[draft_ids.to(lm_head_weight.device)]  # [Vd, H]
+    # a draft vocabulary of every id (MTP's) is the head itself: no [V, H] copy a step
+    whole = len(draft_ids) == lm_head_weight.shape[0]  # strictly increasing ids: 0..V-1
+    weight = lm_head_weight if whole else lm_head_weight[draft_ids.to(lm_head_weight.device)]
     return F.linear(last_hidden.to(lm_head_weight), weight).float()
 
 

@@ -25,6 +25,7 @@ resident memory before the step.
 
     .venv/bin/python -m lab.benchmarks.bench_sft_step --shape smollm2 [--kind KIND --set KEY=INT]
         [--rows 4 --seq 256 --vocab 8192] [--loss both] [--bf16 both] [--teacher cached]
+        [--threads N]
     .venv/bin/python -m lab.benchmarks.bench_sft_step --shape smollm2 --rows 1 --seq 4096
         --vocab 32000 --bf16 off --peak-rss
     .venv/bin/python -m lab.benchmarks.bench_sft_step --target DIR ...   (a real target's weights)
@@ -101,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bf16", choices=["both", "off", "on"], default="both")
     ap.add_argument("--loss", choices=["both", "fused", "unfused"], default="both")
     ap.add_argument("--teacher", choices=["both", "cached", "full"], default="cached")
+    ap.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's)")
     ap.add_argument("--peak-rss", action="store_true", help="peak memory per loss path instead")
     ap.add_argument("--one-step", action="store_true", help=argparse.SUPPRESS)  # --peak-rss's child
     return ap.parse_args(argv)
@@ -297,6 +299,8 @@ def roofs(step: Step, settings: list[tuple[bool, str, str]]) -> dict[tuple, dict
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.one_step:
         return one_step(args)
     if args.peak_rss:

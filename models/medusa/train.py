@@ -18,7 +18,7 @@ from torch import Tensor
 
 from models.blocks import BlockUnroll
 from models.features import Features, replay_inputs
-from models.losses import materialized
+from models.head_loss import HeadSlots
 from models.medusa.model import MedusaHeads
 
 
@@ -41,8 +41,8 @@ def heads_unroll(
     ids [N, T]; loss_mask [N, T] bool (the drafted token x_{t+1+k} must be trained). With
     replays (item [R], anchor e [R], tokens [R, K]) `replayed` [R, K, Vd] are the heads at
     position e-2 of row item (module docstring). Each head's logits are a `HeadLogits` of its
-    own weight (the losses compute them a chunk at a time); the replays' few rows read K
-    heads, so they are computed whole."""
+    own weight, the replays' a `HeadSlots` of them (the losses compute them a chunk at a time,
+    a head at a time)."""
     heads = drafter.config.num_heads
     if not 1 <= steps <= heads:
         raise ValueError(
@@ -60,7 +60,7 @@ def heads_unroll(
     replayed = None
     if replays is not None:
         item, anchor, _ = replays
-        replayed = torch.stack([materialized(s[item, anchor - 2]) for s in slots], 1)  # [R, K, Vd]
+        replayed = HeadSlots(tuple(s[item, anchor - 2] for s in slots))  # [R, K, Vd]
     return BlockUnroll(slots, anchors, (label < T) & trained, replayed)
 
 

@@ -14,7 +14,7 @@ import models.head_loss as head_loss_module
 from models import losses
 from models.drafters import drafter_class
 from models.features import Features
-from models.head_loss import HeadLogits
+from models.head_loss import HeadLogits, HeadSlots
 from models.target import Target
 from models.vocab import DraftVocab
 
@@ -73,6 +73,20 @@ def test_the_chunk_size_changes_nothing(chunk: int):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("n", "vocab", "elements"), [(861, 49152, 1 << 22), (10, 7, 21), (0, 5, 5)]
+)
+def test_chunks_split_the_rows_evenly(n: int, vocab: int, elements: int):
+    """No chunk above the budget, as few chunks as it allows, all of one size but the last,
+    which is fewer than `chunks` rows short of the rest (861 rows of MTP's 49k-id head: ten
+    of 79 and one of 71, not ten of 85 and one of 11)."""
+    most = max(1, elements // vocab)
+    rows = head_loss_module._chunk_rows(n, vocab, elements)
+    sizes = [min(rows, n - i) for i in range(0, n, rows)]
+    assert rows <= most and len(sizes) == -(-n // most)
+    assert not sizes or max(sizes) - min(sizes) < len(sizes)
+
+
 def _drop_the_teacher_term(z, p, fwd, rev, entropy):
     loss, grad, factor = CHUNK(z, p, fwd, rev, entropy)
     return loss, grad + p * (fwd / factor)[:, None], factor  # as if the CE's -p were missing
@@ -100,6 +114,57 @@ def test_a_broken_fused_gradient_fails_the_comparison(monkeypatch, broken, name:
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+
+def _slots_value_and_grads(loss_fn, fused: bool):
+    """Slots that each read their own head (Medusa's replays): slot k of [B, K, V] is head
+    k % 2 over hidden[:, k], so two slots share a head and the rest do not."""
+    hidden, weight, teacher, mask, accepted = _inputs()
+    heads = torch.stack([weight, weight.flip(0), weight.roll(1, -1)]).requires_grad_(True)
+    hidden.requires_grad_(True)
+    which = [0, 1, 0, 2] + [1] * (T - 4)
+    if fused:
+        logits = HeadSlots(
+            tuple(
+                HeadLogits(hidden[:, k], heads[w], torch.float32, chunk_elements=2 * V)
+                for k, w in enumerate(which)
+            )
+        )
+    else:
+        logits = torch.stack([F.linear(hidden[:, k], heads[w]) for k, w in enumerate(which)], 1)
+    loss = loss_fn(logits / 0.8, teacher, mask, accepted)
+    (3 * loss).backward()
+    return loss.detach(), hidden.grad, heads.grad
+
+
+SLOT_LOSSES = ["draft_opd", "draft_opd_boundary", "block_opd", "soft_ce", "reverse_kl"]
+
+
+@pytest.mark.parametrize("name", SLOT_LOSSES)
+def test_slots_with_their_own_heads_have_the_unfused_gradients(name: str):
+    want = _slots_value_and_grads(LOSSES[name], fused=False)
+    got = _slots_value_and_grads(LOSSES[name], fused=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(float(g.abs().sum()) > 0 for g in want[2])  # every head has a gradient
+
+
+def test_a_broken_fused_gradient_fails_the_slots_comparison(monkeypatch):
+    want = _slots_value_and_grads(LOSSES["block_opd"], fused=False)
+    monkeypatch.setattr(head_loss_module, "chunk_loss_and_grad", _drop_the_teacher_term)
+    got = _slots_value_and_grads(LOSSES["block_opd"], fused=True)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_slots_materialize_as_their_stacked_logits():
+    hidden, weight, *_ = _inputs()
+    slots = HeadSlots(tuple(HeadLogits(hidden[:, k], weight * k, torch.float32) for k in range(T)))
+    plain = torch.stack([F.linear(hidden[:, k], weight * k) for k in range(T)], 1)
+    assert slots.shape == plain.shape and slots.dim() == 3
+    torch.testing.assert_close((slots / 0.7).materialize(), plain / 0.7)
 
 
 def test_kl_is_zero_when_the_drafter_is_its_teacher():
@@ -161,6 +226,8 @@ def _kind_grads(
     fused: bool,
     replays: bool,
     settings: dict | None = None,
+    *,
+    rollout_ce: bool = True,
 ):
     drafter = _drafter(target, kind, settings)
     g = torch.Generator().manual_seed(3)
@@ -195,7 +262,9 @@ def _kind_grads(
             temperature=0.8,
             fit_boundary=True,
             blocks=drafter.drafts_blocks,
-        ) + drafter.rollout_ce_loss(unrolled, teacher, item, anchor, 0.8)
+        )
+        if rollout_ce:
+            loss = loss + drafter.rollout_ce_loss(unrolled, teacher, item, anchor, 0.8)
     else:
         loss = drafter.sft_loss(unrolled, teacher, out.last_hidden, decay=0.8, objective=objective)
     loss.backward()
@@ -232,14 +301,16 @@ def test_every_kinds_objective_has_the_unfused_gradients(
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp", "dflash", "medusa"])
+@pytest.mark.parametrize("replays", [False, True])
 def test_a_broken_fused_gradient_fails_every_kinds_comparison(
-    monkeypatch, tiny_llama: Target, kind: str
+    monkeypatch, tiny_llama: Target, kind: str, replays: bool
 ):
     """The control for the kinds: their fused training path does run the fused backward, so
-    breaking it changes the drafter's gradients (and not the loss's value)."""
-    want_loss, want = _kind_grads(tiny_llama, kind, None, False, False)
+    breaking it changes the drafter's gradients (and not the loss's value). With replays the
+    loss is the Draft-OPD replay loss alone: the replays themselves are read fused."""
+    want_loss, want = _kind_grads(tiny_llama, kind, None, False, replays, rollout_ce=False)
     monkeypatch.setattr(head_loss_module, "chunk_loss_and_grad", _drop_the_teacher_term)
-    got_loss, got = _kind_grads(tiny_llama, kind, None, True, False)
+    got_loss, got = _kind_grads(tiny_llama, kind, None, True, replays, rollout_ce=False)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     with pytest.raises(AssertionError):
         for name in want:

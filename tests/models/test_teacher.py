@@ -93,3 +93,15 @@ def test_the_argmax_cache_gives_what_training_reads_and_runs_the_full_head_once_
         cache.teacher(padded[[1]], rows[[1]], torch.tensor([4]))
     with pytest.raises(ValueError, match="temperatures \\[\\], not 1.0"):
         teacher_draft_probs(got, draft, 1.0, renormalize=False)  # the full law is not kept
+
+
+@pytest.mark.parametrize("vocab", ["pruned", "full"])
+def test_draft_logits_are_the_draft_rows_of_the_head(setup, vocab: str):
+    """A full draft vocabulary (MTP's) reads the head itself, a pruned one its draft rows."""
+    head, hidden, draft = setup
+    if vocab == "full":
+        draft = DraftVocab.full(head.shape[0])
+    got = teacher_module.draft_logits(hidden, head, draft.draft_to_target_ids)
+    want = F.linear(hidden, head)[..., draft.draft_to_target_ids]
+    assert got.shape == (*hidden.shape[:-1], draft.draft_vocab_size)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
