@@ -474,10 +474,11 @@ def weights_dtype(tensors: Mapping[str, Tensor], source: str) -> torch.dtype:
 
 
 class FrozenEmbeddingDrafter(Drafter):
-    """What the kinds built on the target's own embedding share (EAGLE-3, DFlash): the module
-    reads the target's frozen `embed_tokens` (never trained, never saved), carries the
+    """What the kinds built on the target's own embedding share (EAGLE-3, DFlash, MTP): the
+    module reads the target's frozen `embed_tokens` (never trained, never saved), carries the
     draft-vocab map as `d2t` / `t2d` buffers, runs beside that embedding, is built as
-    `cls(config, embed_weight, vocab)` and read back from its `config_type`'s `to_dict()`."""
+    `cls(config, embed_weight, vocab)` (a kind built otherwise overrides `built_for` and
+    `untrained`) and read back from its `config_type`'s `to_dict()`."""
 
     embed_tokens: nn.Embedding
     config_type: ClassVar[Any]  # the kind's config dataclass, read back by `from_tensors`
@@ -500,12 +501,7 @@ class FrozenEmbeddingDrafter(Drafter):
     ) -> Drafter:
         """`cls(config, ...)` loaded with `tensors`, refusing missing, unexpected or misshapen
         ones by name."""
-        for name in ("d2t", "t2d"):
-            if name not in tensors:
-                raise ValueError(
-                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
-                )
-        drafter = cls(config, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
+        drafter = cls.built_for(config, embed_weight, tensors, source)
         check_tensor_set(drafter.tensors(), tensors, source)
         # on the embedding's device: the drafter runs beside the target whose embedding it shares
         drafter.to(device=embed_weight.device, dtype=weights_dtype(tensors, source))
@@ -513,6 +509,19 @@ class FrozenEmbeddingDrafter(Drafter):
         drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
         drafter.load_state_dict(tensors, strict=False)
         return drafter
+
+    @classmethod
+    def built_for(
+        cls, config: Any, embed_weight: Tensor, tensors: Mapping[str, Tensor], source: str
+    ) -> Drafter:
+        """A fresh drafter of `config` for `tensors` to load into, built from what of them its
+        constructor takes (the draft vocab map)."""
+        for name in ("d2t", "t2d"):
+            if name not in tensors:
+                raise ValueError(
+                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
+                )
+        return cls(config, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
 
     def tensors(self) -> dict[str, Tensor]:
         return without_embedding(self)

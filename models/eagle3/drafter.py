@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.chain import ChainDrafter, Unrolled
+from models.chain import ChainDrafter
 from models.drafter import (
     ExportTarget,
     FrozenEmbeddingDrafter,
@@ -56,16 +56,7 @@ class Eagle3Drafter(
 
     # -- training -------------------------------------------------------------------------
 
-    def sft_loss(
-        self,
-        out: Unrolled,
-        teacher: Tensor,
-        last_hidden: Tensor,
-        *,
-        decay: float,
-        objective: str | None = None,
-    ) -> Tensor:
-        return objective_loss(out, teacher, last_hidden, decay=decay, objective=objective)
+    sft_loss = staticmethod(objective_loss)  # train.py's objectives read the unroll alone
 
     # -- serving --------------------------------------------------------------------------
 
