@@ -62,9 +62,8 @@ class ChainNetwork(VocabBuffers):
         """Target states [..., F] -> the hidden state [..., H] step 0 reads."""
         raise NotImplementedError
 
-    def step_layer(self, step: int) -> tuple[nn.Module, nn.Module]:
-        """Step `step`'s decoder layer, forward(embeds, hidden, cos, sin, attention_mask,
-        cache) -> [B, T, H], and the norm its head reads through."""
+    def step_layer(self, step: int) -> tuple[ChainLayer, nn.Module]:
+        """Step `step`'s decoder layer and the norm its head reads through."""
         raise NotImplementedError
 
     def chain_step(
@@ -235,6 +234,34 @@ class ChainAttention(nn.Module):
                 q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
             )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class ChainLayer(nn.Module):
+    """A chain network's Llama decoder layer over a step's embedded token and hidden state. The
+    kinds differ only in what its attention reads and the residual that adds to
+    (`attention_input`); `self_attn`, `post_attention_layernorm` and `mlp` are the kind's."""
+
+    self_attn: ChainAttention
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def attention_input(self, embeds: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """embeds, hidden [B, T, H] -> (what attention reads [B, T, in_features], the residual
+        [B, T, H])."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        embeds: Tensor,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attention_mask: Tensor | None,
+        cache: KVCache | TTTCache | None,
+    ) -> Tensor:
+        x, residual = self.attention_input(embeds, hidden)
+        h = residual + self.self_attn(x, cos, sin, attention_mask, cache)  # [B, T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
 
 
 @dataclass

@@ -34,10 +34,14 @@ class Eagle3Drafter(
 
     @classmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> Eagle3Drafter:
-        config = Eagle3Config.from_target(
-            target.config, vocab.draft_vocab_size, target.aux_layer_ids
-        )
+        config = cls.config_for(target, vocab.draft_vocab_size, settings)
         return cls(config, target.embed_weight, vocab)
+
+    @classmethod
+    def config_for(
+        cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
+    ) -> Eagle3Config:
+        return Eagle3Config.from_target(target.config, draft_vocab_size, target.aux_layer_ids)
 
     def check_target(self, target: Any) -> None:
         cfg = self.config

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.chain import ChainAttention, ChainNetwork, TTTCache
+from models.chain import ChainAttention, ChainLayer, ChainNetwork
 from models.features import Features
 from models.head_loss import HeadLogits
 from models.kind_config import (
@@ -21,7 +21,6 @@ from models.kind_config import (
     hf_config_dict,
     target_layout,
 )
-from models.kv import KVCache
 from models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -82,7 +81,7 @@ class Eagle3Config(TargetLayout):
         )
 
 
-class Eagle3DecoderLayer(nn.Module):
+class Eagle3DecoderLayer(ChainLayer):
     """vLLM's llama_eagle3 first layer with norm_before_residual=False: the residual is the raw hidden."""
 
     def __init__(self, config: Eagle3Config) -> None:
@@ -101,19 +100,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(
-        self,
-        embeds: Tensor,
-        hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        attention_mask: Tensor | None,
-        cache: KVCache | TTTCache | None,
-    ) -> Tensor:
+    def attention_input(self, embeds: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         normed = [self.input_layernorm(embeds), self.hidden_norm(hidden)]
-        x = torch.cat(normed, dim=-1)  # [B, T, 2H]
-        h = hidden + self.self_attn(x, cos, sin, attention_mask, cache)  # [B, T, H]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
+        return torch.cat(normed, dim=-1), hidden  # [B, T, 2H], the raw hidden [B, T, H]
 
 
 class Eagle3Model(ChainNetwork):
@@ -150,7 +139,7 @@ class Eagle3Model(ChainNetwork):
 
     start_hidden = fuse  # step 0's hidden: the fused features
 
-    def step_layer(self, step: int) -> tuple[nn.Module, nn.Module]:
+    def step_layer(self, step: int) -> tuple[ChainLayer, nn.Module]:
         """Every step runs the one layer."""
         return self.midlayer, self.norm
 

@@ -28,16 +28,14 @@ class MTPDrafter(MTPModel, ChainDrafter, FrozenEmbeddingDrafter, TrainableDrafte
     @classmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> MTPDrafter:
         # `vocab` (the features' pruned map) goes unused: the target's head reads every id.
-        modules = cls.spec.settings.given(settings)["modules"]
-        return cls(
-            MTPConfig.from_target(target.config, modules),
-            target.embed_weight,
-            target.lm_head_weight,
-        )
+        config = cls.config_for(target, vocab.draft_vocab_size, settings)
+        return cls(config, target.embed_weight, target.lm_head_weight)
 
     @classmethod
-    def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
-        MTPConfig.from_target(target.config, cls.spec.settings.given(settings)["modules"])
+    def config_for(
+        cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
+    ) -> MTPConfig:
+        return MTPConfig.from_target(target.config, cls.spec.settings.given(settings)["modules"])
 
     @classmethod
     def built_for(

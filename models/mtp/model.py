@@ -25,10 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.chain import ChainAttention, ChainNetwork, TTTCache
+from models.chain import ChainAttention, ChainLayer, ChainNetwork
 from models.features import Features
 from models.kind_config import TargetLayout, hf_config_dict, target_layout
-from models.kv import KVCache
 from models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -61,7 +60,7 @@ class MTPConfig(TargetLayout):
         return cls(**target_layout(cfg), num_modules=num_modules)
 
 
-class MTPModule(nn.Module):
+class MTPModule(ChainLayer):
     """One MTP module: [enorm(embedding); hnorm(hidden)] -> eh_proj -> one decoder layer; `norm`
     is its head's norm (each DeepSeek-V3 module has its own before the shared head)."""
 
@@ -79,18 +78,9 @@ class MTPModule(nn.Module):
         self.mlp = SwiGLU(H, config.intermediate_size)
         self.norm = RMSNorm(H, eps)
 
-    def forward(
-        self,
-        embeds: Tensor,
-        hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        attention_mask: Tensor | None,
-        cache: KVCache | TTTCache | None,
-    ) -> Tensor:
+    def attention_input(self, embeds: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [B, T, H]
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
+        return self.input_layernorm(x), x
 
 
 class MTPModel(ChainNetwork):
@@ -134,7 +124,7 @@ class MTPModel(ChainNetwork):
         """The first module reads the target's state itself (through its `hnorm`)."""
         return states.to(self.layers[0].eh_proj.weight.dtype)
 
-    def step_layer(self, step: int) -> tuple[nn.Module, nn.Module]:
+    def step_layer(self, step: int) -> tuple[ChainLayer, nn.Module]:
         """Module step+1, or the last one past D, and that module's own norm."""
         module = self.layers[min(step, len(self.layers) - 1)]
         return module, module.norm
