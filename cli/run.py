@@ -3,6 +3,7 @@ Dask or as a Prefect flow."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,28 @@ class _RunCommand(click.Command):
             formatter.write_dl(rows)
         with formatter.section("Chains"):
             formatter.write_text(", ".join(CHAINS))
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What `opd run`'s command line asks for, as `_run` reads it in each process."""
+
+    stage: str
+    profile: str | None
+    config_file: Path | None
+    sets: tuple[str, ...]
+    input_refs: tuple[str, ...]
+    force: bool
+    run_name: str
+
+    def argv(self, root: Path, no_progress: bool) -> list[str]:
+        """The same request as `opd` arguments, for each process `--nproc` launches."""
+        argv = ["--root", str(root), "run", self.stage, "--run-name", self.run_name]
+        argv += ["--profile", self.profile] if self.profile else []
+        argv += ["--config", str(self.config_file)] if self.config_file else []
+        argv += [a for s in self.sets for a in ("--set", s)]
+        argv += [a for r in self.input_refs for a in ("--input", r)]
+        return argv + ["--force"] * self.force + ["--no-progress"] * no_progress
 
 
 @click.command("run", cls=_RunCommand)
@@ -121,25 +144,19 @@ def run_cmd(
         )
     check_run_name(run_name)  # before any work: a bad name must not fail a finished run
     cfg = load_config(profile or "default", config_file, list(sets))
+    asked = _Asked(stage, profile, config_file, sets, input_refs, force, run_name)
     if nproc is not None and nproc > 1:
-        argv = ["--root", str(store.root), "run", stage, "--run-name", run_name]
-        argv += ["--profile", profile] if profile else []
-        argv += ["--config", str(config_file)] if config_file else []
-        argv += [a for s in sets for a in ("--set", s)]
-        argv += [a for r in input_refs for a in ("--input", r)]
-        argv += ["--force"] * force + ["--no-progress"] * no_progress
-        distributed.launch(nproc, argv)
+        distributed.launch(nproc, asked.argv(store.root, no_progress))
         return
-    args = (store, stage, cfg, profile, config_file, sets, input_refs, force, run_name)
     if ranks is None or ranks.world_size == 1:
         setup_logging()
-        _run(*args, use_prefect=use_prefect, progress=not no_progress)
+        _run(store, asked, cfg, use_prefect=use_prefect, progress=not no_progress)
         return
     setup_logging(f"[rank {ranks.rank}/{ranks.world_size}] ")
     try:
         distributed.init(ranks)
         # Progress bars of several ranks would overwrite each other: rank 0 draws them.
-        _run(*args, progress=not no_progress and ranks.rank == 0, ranks=ranks)
+        _run(store, asked, cfg, progress=not no_progress and ranks.rank == 0, ranks=ranks)
     except OpdError as e:
         raise distributed.failed("opd run", ranks.rank, ranks.world_size, e) from None
     finally:
@@ -150,14 +167,8 @@ def run_cmd(
 
 def _run(
     store: Store,
-    stage: str,
+    asked: _Asked,
     cfg: PipelineConfig,
-    profile: str | None,
-    config_file: Path | None,
-    sets: tuple[str, ...],
-    input_refs: tuple[str, ...],
-    force: bool,
-    run_name: str,
     *,
     progress: bool,
     use_prefect: bool = False,
@@ -170,8 +181,12 @@ def _run(
     from pipeline.core.runner import RunContext
     from pipeline.core.targets import TargetLoader, check_engine_target, target_for
 
+    stage = asked.stage
     ctx = RunContext(
-        store=store, target_loader=TargetLoader(cfg.target), progress=progress, run_name=run_name
+        store=store,
+        target_loader=TargetLoader(cfg.target),
+        progress=progress,
+        run_name=asked.run_name,
     )
     if stage in CHAINS:
         steps = CHAINS[stage](cfg)
@@ -180,13 +195,13 @@ def _run(
             # cannot build must not cost them.
             check_drafter_settings(cfg.drafter, ctx.target_loader.target)
         external = {}
-        forced = {s.key for s in steps} if force else set()
+        forced = {s.key for s in steps} if asked.force else set()
     else:
         step = single_step(stage, cfg)
-        roles = dict(r.split("=", 1) for r in input_refs if "=" in r)
+        roles = dict(r.split("=", 1) for r in asked.input_refs if "=" in r)
         # Optional roles (e.g. opd's features) are read only when given with --input.
         known = [*step.stage.inputs, *step.stage.optional_inputs]
-        bad = [r for r in input_refs if "=" not in r]
+        bad = [r for r in asked.input_refs if "=" not in r]
         bad += [r for r in roles if step.stage.input_kinds(r) is None]
         if bad:
             raise OpdError(f"--input {bad[0]!r}: expected ROLE=REF with ROLE in {known}")
@@ -196,7 +211,7 @@ def _run(
             role: store.open(roles.get(role) or step.stage.default_ref(role)) for role in wanted
         }
         step.inputs = {role: role for role in wanted}
-        stated = states_target(profile, sets, config_file)
+        stated = states_target(asked.profile, asked.sets, asked.config_file)
         cfg = cfg.model_copy(
             update={"target": target_for(external.values(), cfg.target, stated=stated)}
         )
@@ -207,10 +222,16 @@ def _run(
             )
         ctx.target_loader = TargetLoader(cfg.target)
         steps = [step]
-        forced = {step.key} if force else set()
+        forced = {step.key} if asked.force else set()
     if ranks is not None:
-        what = (stage, cfg.model_dump(mode="json"), {r: str(d.ref) for r, d in external.items()})
-        distributed.check_same_config(distributed.fingerprint(*what, sorted(forced), run_name))
+        what = (
+            stage,
+            cfg.model_dump(mode="json"),
+            {r: str(d.ref) for r, d in external.items()},
+        )
+        distributed.check_same_config(
+            distributed.fingerprint(*what, sorted(forced), asked.run_name)
+        )
         results = distributed.run_steps(steps, ctx, ranks, external=external, force=forced)
         if ranks.rank != 0:  # rank 0 records and reports the run
             return
@@ -220,7 +241,7 @@ def _run(
         results = run_steps_flow(steps, ctx, external, forced)
     else:
         results = run_chain(steps, ctx, external=external, force=forced)
-    record_results(ctx, run_name, results)
+    record_results(ctx, asked.run_name, results)
     for key, r in results.items():
         click.echo(f"{key:<12} {r.ref}" + ("  (cached)" if r.reused else f"  ({r.seconds:.1f}s)"))
     export_k = cfg.drafting.k

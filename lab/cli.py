@@ -173,6 +173,8 @@ def _run_arms(
     args += ["--prompts", options["prompts_ref"]] if options["prompts_ref"] else []
     if options["dry_run"]:
         return _dry_run(recipe, _command_line(store, args))
+    from lab.experiments.common import WarmupPrompts
+
     cfg, ctx = _experiment_context(store, recipe, options["as_json"], f"experiment-{name}")
     return experiment(
         cfg,
@@ -181,10 +183,12 @@ def _run_arms(
         first_seed=options["first_seed"],
         budget=options["budget"],
         budget_ratio=ratio,
-        prompts=_prompts(store, options["prompts_ref"]),
-        eval_prompts=_recipe_prompts(ctx, recipe, recipe.eval_prompts),
-        eval_max_prompts=recipe.eval_max_prompts,
-        rollout_prompts=_recipe_prompts(ctx, recipe, recipe.rollout_prompts),
+        prompts=WarmupPrompts(
+            _prompts(store, options["prompts_ref"]),
+            _recipe_prompts(ctx, recipe, recipe.eval_prompts),
+            recipe.eval_max_prompts,
+            _recipe_prompts(ctx, recipe, recipe.rollout_prompts),
+        ),
         command=_command_line(store, args),
         **{field: getattr(recipe, field) for field in recipe_fields},
         **more,

@@ -30,7 +30,7 @@ import os
 import re
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +99,7 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
-def opd_vs_sft_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
-    rows = []
+def opd_vs_sft_rows(reports: list[Published], docs: Path, option: str) -> Iterator[list[str]]:
     for r in (r for r in reports if r.stage == "opd-vs-sft"):
         m = r.meta
         for t, s in (("0", ""), ("1", "_t1")):
@@ -108,145 +107,96 @@ def opd_vs_sft_rows(reports: list[Published], docs: Path, option: str) -> list[l
             if option == "worse" and ratio >= 1:
                 continue
             per_seed = ", ".join(f"{x:.3f}" for x in m[f"opd_over_sft_continued{s}_per_seed"])
-            rows.append(
-                [
-                    r.link(docs),
-                    _title(r.result.get("drafter_kind")),
-                    str(len(m[f"tau_opd{s}_per_seed"])),
-                    t,
-                    f"{m[f'tau_sft_warmup{s}']:.3f}",
-                    _spread(m[f"tau_sft_continued{s}_per_seed"]),
-                    _spread(m[f"tau_opd{s}_per_seed"]),
-                    f"**{ratio:.3f}** ({per_seed})",
-                ]
-            )
-    return rows
+            yield [
+                r.link(docs),
+                _title(r.result.get("drafter_kind")),
+                str(len(m[f"tau_opd{s}_per_seed"])),
+                t,
+                f"{m[f'tau_sft_warmup{s}']:.3f}",
+                _spread(m[f"tau_sft_continued{s}_per_seed"]),
+                _spread(m[f"tau_opd{s}_per_seed"]),
+                f"**{ratio:.3f}** ({per_seed})",
+            ]
 
 
-OPD_VS_SFT = (  # the table's header
-    "report | kind | seeds | T | SFT warm-up τ | continued SFT τ | Draft-OPD τ | Draft-OPD / "
-    "continued SFT (per seed)"
-).split(" | ")
-
-
-def eval_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
-    rows = []
+def eval_rows(reports: list[Published], docs: Path, option: str) -> Iterator[list[str]]:
     for r in (r for r in reports if r.stage == "evaluate"):
         m = r.meta
         free = m.get("free_baseline") or {}
         lookup = f"{free['tau']:.3f}" if "tau" in free else "–"
         if "speedup" in free:
             lookup += f" ({free['speedup']:.2f}×)"
-        rows.append(
-            [
-                r.link(docs),
-                _title(r.provenance.get("drafter_kind")),
-                f"{m['temperature']:g}",
-                str(m["k"]),
-                str(m["prompts"]),
-                f"{m['tau']:.3f}",
-                f"{m['speedup']:.2f}×" if "speedup" in m else "–",
-                lookup,
-                r.hardware,
-            ]
-        )
-    return rows
-
-
-EVAL = (  # the table's header
-    "report | kind | T | K | prompts | τ | speed-up over plain decoding | n-gram lookup τ "
-    "(speed-up) | hardware"
-).split(" | ")
+        yield [
+            r.link(docs),
+            _title(r.provenance.get("drafter_kind")),
+            f"{m['temperature']:g}",
+            str(m["k"]),
+            str(m["prompts"]),
+            f"{m['tau']:.3f}",
+            f"{m['speedup']:.2f}×" if "speedup" in m else "–",
+            lookup,
+            r.hardware,
+        ]
 
 
 def _gb(n: int | None) -> str:
     return f"{n / 1e9:.1f}" if n else "–"
 
 
-def stage_cost_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
-    rows = []
+def stage_cost_rows(reports: list[Published], docs: Path, option: str) -> Iterator[list[str]]:
     for r in (r for r in reports if "stages" in r.result):
         kind = _title(r.result.get("drafter_kind") or DEFAULT_KIND)  # older runs: the default
         for stage, c in r.result["stages"].items():
             if not c.get("tokens") or (option == "round1" and stage.endswith("-r2")):
                 continue  # no per-token work (the prompts stage), or a later round's repeat
             per_token = c.get("bytes_per_token")
-            rows.append(
-                [
-                    r.link(docs),
-                    kind,
-                    stage,
-                    c["unit"],
-                    f"{c['tokens_per_s']:,.1f}",
-                    _gb(c.get("peak_gpu_bytes")),
-                    _gb(c.get("peak_host_bytes")),
-                    f"{per_token:,.0f}" if per_token else "–",
-                    r.hardware,
-                ]
-            )
-    return rows
+            yield [
+                r.link(docs),
+                kind,
+                stage,
+                c["unit"],
+                f"{c['tokens_per_s']:,.1f}",
+                _gb(c.get("peak_gpu_bytes")),
+                _gb(c.get("peak_host_bytes")),
+                f"{per_token:,.0f}" if per_token else "–",
+                r.hardware,
+            ]
 
 
-STAGE_COSTS = (  # the table's header
-    "report | kind | stage | unit of work | units/s | peak GPU GB | peak host GB | bytes "
-    "written a unit | hardware"
-).split(" | ")
-
-
-def projected_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
-    rows = []
+def projected_rows(reports: list[Published], docs: Path, option: str) -> Iterator[list[str]]:
     for r in (r for r in reports if "projected_speedup" in r.result):
         costs = r.result["step_costs"]
         forward = costs["verify_s"]["1"]
         taus = r.result.get("projected_at_tau", {})
         for arm, speedup in r.result["projected_speedup"].items():
-            rows.append(
-                [
-                    r.link(docs),
-                    _title(r.result.get("drafter_kind") or DEFAULT_KIND),
-                    f"{forward * 1e3:.1f} ms",
-                    f"{costs['drafter_s_per_forward'] * 1e3:.2f} ms",
-                    arm.replace("_", " "),
-                    f"{taus[arm]:.3f}" if arm in taus else "–",
-                    f"**{speedup:.2f}×**",
-                    r.hardware,
-                ]
-            )
-    return rows
+            yield [
+                r.link(docs),
+                _title(r.result.get("drafter_kind") or DEFAULT_KIND),
+                f"{forward * 1e3:.1f} ms",
+                f"{costs['drafter_s_per_forward'] * 1e3:.2f} ms",
+                arm.replace("_", " "),
+                f"{taus[arm]:.3f}" if arm in taus else "–",
+                f"**{speedup:.2f}×**",
+                r.hardware,
+            ]
 
 
-PROJECTED = (  # the table's header
-    "report | kind | target forward | drafter forward | drafter (embedded target's τ) | τ | "
-    "projected speed-up | hardware"
-).split(" | ")
-
-
-def see_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
-    rows = []
+def see_rows(reports: list[Published], docs: Path, option: str) -> Iterator[list[str]]:
     for r in (r for r in reports if r.result.get("stage") == "see"):
         res = r.result
         for d in (d for d in res["decoders"] if d["decoder"] != "plain"):
             by_set = ", ".join(f"{s} {t:.3f}" for s, t in d["tau_by_set"].items())
-            rows.append(
-                [
-                    r.link(docs),
-                    d["label"],
-                    f"**{d['tau']:.3f}** ({by_set})",
-                    f"**{d['speedup']:.2f}×**",
-                    f"{d['identical']}/{d['prompts']}",
-                    f"{res['cpu']}, {res['dtype']}, {res['threads']} threads",
-                ]
-            )
-    return rows
+            yield [
+                r.link(docs),
+                d["label"],
+                f"**{d['tau']:.3f}** ({by_set})",
+                f"**{d['speedup']:.2f}×**",
+                f"{d['identical']}/{d['prompts']}",
+                f"{res['cpu']}, {res['dtype']}, {res['threads']} threads",
+            ]
 
 
-SEE = (  # the table's header
-    "report | decoder | τ (per set) | speed-up over plain decoding | identical to plain | hardware"
-).split(" | ")
-
-
-def vllm_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
-    rows = []
+def vllm_rows(reports: list[Published], docs: Path, option: str) -> Iterator[list[str]]:
     for r in (r for r in reports if "serve" in r.result):
         res = r.result
         prompts = sum(res["prompts"].values())
@@ -255,61 +205,71 @@ def vllm_rows(reports: list[Published], docs: Path, option: str) -> list[list[st
             by_set = ", ".join(
                 f"{s} {one_set[name]['tau']:.3f}" for s, one_set in res["by_set"].items()
             )
-            rows.append(
-                [
-                    r.link(docs),
-                    label,
-                    f"**{one['tau']:.3f}** ({by_set})",
-                    f"**{one['speedup_vs_plain']:.2f}×**",
-                    f"{round(one['identical_to_plain'] * prompts)}/{prompts}",
-                    f"{one['tokens_per_s']:.1f} ({res['all']['plain']['tokens_per_s']:.1f})",
-                    f"{res['dtype']}, {r.hardware}",
-                ]
-            )
-    return rows
+            yield [
+                r.link(docs),
+                label,
+                f"**{one['tau']:.3f}** ({by_set})",
+                f"**{one['speedup_vs_plain']:.2f}×**",
+                f"{round(one['identical_to_plain'] * prompts)}/{prompts}",
+                f"{one['tokens_per_s']:.1f} ({res['all']['plain']['tokens_per_s']:.1f})",
+                f"{res['dtype']}, {r.hardware}",
+            ]
 
 
-VLLM = (  # the table's header
-    "report | vLLM speculator | τ (per set) | speed-up over vLLM plain decoding | identical to "
-    "plain | tokens/s (plain) | dtype, hardware"
-).split(" | ")
-
-
-def sft_curve_rows(reports: list[Published], docs: Path, option: str) -> list[list[str]]:
-    rows = []
+def sft_curve_rows(reports: list[Published], docs: Path, option: str) -> Iterator[list[str]]:
     for r in reports:
         for p in sorted(r.result.get("points", []), key=lambda p: p["generated_tokens"]):
-            rows.append(
-                [
-                    r.link(docs),
-                    f"{p['share']:g}",
-                    f"{p['train_sequences']:,}",
-                    f"{p['generated_tokens'] / 1e6:.2f}M",
-                    str(p["steps"]),
-                    f"{p['epochs']:.1f}",
-                    f"{p['acc'][0]:.3f}",
-                    f"**{p['tau_sim']:.3f}**",
-                    f"{p['tau_chain']:.3f}",
-                    r.hardware,
-                ]
-            )
-    return rows
+            yield [
+                r.link(docs),
+                f"{p['share']:g}",
+                f"{p['train_sequences']:,}",
+                f"{p['generated_tokens'] / 1e6:.2f}M",
+                str(p["steps"]),
+                f"{p['epochs']:.1f}",
+                f"{p['acc'][0]:.3f}",
+                f"**{p['tau_sim']:.3f}**",
+                f"{p['tau_chain']:.3f}",
+                r.hardware,
+            ]
 
 
-SFT_CURVE = (  # the table's header
-    "report | data share | training requests | generated tokens | steps | epochs | "
-    "held-out first-draft agreement | held-out τ_sim (K=6) | τ_chain | hardware"
-).split(" | ")
-
-
-TABLES: dict[str, tuple[list[str], Callable[[list[Published], Path, str], list[list[str]]]]] = {
-    "opd-vs-sft": (OPD_VS_SFT, opd_vs_sft_rows),
-    "eval": (EVAL, eval_rows),
-    "stage-costs": (STAGE_COSTS, stage_cost_rows),
-    "projected": (PROJECTED, projected_rows),
-    "sft-curve": (SFT_CURVE, sft_curve_rows),
-    "see": (SEE, see_rows),
-    "vllm": (VLLM, vllm_rows),
+TABLES: dict[str, tuple[str, Callable[[list[Published], Path, str], Iterator[list[str]]]]] = {
+    # kind: (the table's header, its rows from the reports)
+    "opd-vs-sft": (
+        "report | kind | seeds | T | SFT warm-up τ | continued SFT τ | Draft-OPD τ | Draft-OPD / "
+        "continued SFT (per seed)",
+        opd_vs_sft_rows,
+    ),
+    "eval": (
+        "report | kind | T | K | prompts | τ | speed-up over plain decoding | n-gram lookup τ "
+        "(speed-up) | hardware",
+        eval_rows,
+    ),
+    "stage-costs": (
+        "report | kind | stage | unit of work | units/s | peak GPU GB | peak host GB | bytes "
+        "written a unit | hardware",
+        stage_cost_rows,
+    ),
+    "projected": (
+        "report | kind | target forward | drafter forward | drafter (embedded target's τ) | τ | "
+        "projected speed-up | hardware",
+        projected_rows,
+    ),
+    "sft-curve": (
+        "report | data share | training requests | generated tokens | steps | epochs | "
+        "held-out first-draft agreement | held-out τ_sim (K=6) | τ_chain | hardware",
+        sft_curve_rows,
+    ),
+    "see": (
+        "report | decoder | τ (per set) | speed-up over plain decoding | identical to plain | "
+        "hardware",
+        see_rows,
+    ),
+    "vllm": (
+        "report | vLLM speculator | τ (per set) | speed-up over vLLM plain decoding | identical to "
+        "plain | tokens/s (plain) | dtype, hardware",
+        vllm_rows,
+    ),
 }
 
 
@@ -319,9 +279,9 @@ def render_block(spec: str, docs: Path, root: Path = PUBLISHED) -> str:
         raise SystemExit(f"error: {docs}: unknown findings table {kind!r}; one of {sorted(TABLES)}")
     header, rows_of = TABLES[kind]
     reports = published(pattern, root)
-    rows = rows_of(reports, docs, option[0] if option else "")
+    rows = list(rows_of(reports, docs, option[0] if option else ""))
     if rows:
-        return _table(header, rows)
+        return _table(header.split(" | "), rows)
     if reports:
         return f"_None of the {len(reports)} reports published as `{pattern}` has such a row._\n"
     return (

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,31 +32,39 @@ from models.drafter import Proposer, Shape, TreeShape
 from models.features import Features
 from models.head_loss import HeadLogits
 from models.kv import KVCache
-from models.layers import apply_rope
+from models.layers import RotaryEmbedding, apply_rope
 from models.losses import (
     Logits,
     acceptance_rate,
     ce_rollout_loss,
     materialized,
-    sft_loss,
     teacher_draft_probs,
 )
-from models.vocab import DraftVocab
+from models.vocab import DraftVocab, VocabBuffers
 
 
-class ChainNetwork(Protocol):
-    """A network that drafts a chain one forward per draft (module docstring)."""
+class ChainNetwork(VocabBuffers):
+    """A network that drafts a chain one forward per draft (module docstring): each step runs
+    a decoder layer over the embedded token and the hidden state, then a norm and the head.
+    A network says which target states it reads (`read_features`), what step 0's hidden state
+    is (`start_hidden`) and which layer and norm a step runs (`step_layer`); `embed_tokens` is
+    the target's frozen embedding."""
 
-    @property
-    def vocab(self) -> DraftVocab: ...
+    embed_tokens: nn.Embedding
+    rotary: RotaryEmbedding
+    lm_head: nn.Linear
 
     def read_features(self, features: Features) -> Tensor:
         """The target states it reads at each row of `features`: [..., F]."""
-        ...
+        raise NotImplementedError
 
     def start_hidden(self, states: Tensor) -> Tensor:
         """Target states [..., F] -> the hidden state [..., H] step 0 reads."""
-        ...
+        raise NotImplementedError
+
+    def step_layer(self, step: int) -> tuple[ChainLayer, nn.Module]:
+        """Step `step`'s decoder layer and the norm its head reads through."""
+        raise NotImplementedError
 
     def chain_step(
         self,
@@ -75,7 +83,49 @@ class ChainNetwork(Protocol):
         + T; None: causal) -> (logits [B, T, Vd] fp32, hidden_out [B, T, H]). `head_at` [B]:
         one row of each batch row, the only logits computed ([B, Vd]). `lazy_head`: the logits
         as a `HeadLogits` (the post-norm states and the head's weight)."""
-        ...
+        self._check_inputs(input_ids, hidden, position_ids, attention_mask, cache)
+        layer, norm = self.step_layer(step)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
+        cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, d]
+        hidden_out = layer(embeds, hidden, cos, sin, attention_mask, cache)  # [B, T, H]
+        read = hidden_out
+        if head_at is not None:  # one row of each batch row: [B, H]
+            read = hidden_out[torch.arange(len(head_at), device=head_at.device), head_at]
+        if lazy_head:
+            return HeadLogits.of(norm(read), self.lm_head.weight), hidden_out
+        return self.lm_head(norm(read)).float(), hidden_out  # [B, T, Vd], or [B, Vd] at head_at
+
+    def _check_inputs(
+        self,
+        input_ids: Tensor,
+        hidden: Tensor,
+        position_ids: Tensor,
+        attention_mask: Tensor | None,
+        cache: KVCache | TTTCache | None,
+    ) -> None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        H = self.embed_tokens.embedding_dim
+        if tuple(hidden.shape) != (B, T, H):
+            raise ValueError(
+                f"hidden must be [B={B}, T={T}, H={H}], got {tuple(hidden.shape)}; pass "
+                "start_hidden(states) at step 0 and the previous hidden_out after"
+            )
+        if tuple(position_ids.shape) != (B, T):
+            raise ValueError(
+                f"position_ids must be [B={B}, T={T}], got {tuple(position_ids.shape)}"
+            )
+        if attention_mask is None:
+            return
+        if isinstance(cache, TTTCache):
+            raise ValueError("a TTTCache builds its own mask; do not pass attention_mask with it")
+        S = T + (cache.length if cache is not None else 0)
+        if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (B, T, S):
+            raise ValueError(
+                f"attention_mask must be bool [B={B}, T={T}, S={S}] (S = cached keys + new rows), got "
+                f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
 
 
 def shift_left(x: Tensor, n: int, fill: float | bool = 0) -> Tensor:
@@ -184,6 +234,34 @@ class ChainAttention(nn.Module):
                 q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
             )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class ChainLayer(nn.Module):
+    """A chain network's Llama decoder layer over a step's embedded token and hidden state. The
+    kinds differ only in what its attention reads and the residual that adds to
+    (`attention_input`); `self_attn`, `post_attention_layernorm` and `mlp` are the kind's."""
+
+    self_attn: ChainAttention
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def attention_input(self, embeds: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """embeds, hidden [B, T, H] -> (what attention reads [B, T, in_features], the residual
+        [B, T, H])."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        embeds: Tensor,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attention_mask: Tensor | None,
+        cache: KVCache | TTTCache | None,
+    ) -> Tensor:
+        x, residual = self.attention_input(embeds, hidden)
+        h = residual + self.self_attn(x, cos, sin, attention_mask, cache)  # [B, T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
 
 
 @dataclass
@@ -368,8 +446,9 @@ def ttt_acceptance(
 class ChainDrafter:
     """The drafting and training roles of a `ChainNetwork` drafter (EAGLE-3, MTP), mixed in
     before `TrainableDrafter`: K-chains and EAGLE-2 trees (models/chain_propose.py), replays,
-    the TTT unroll, its soft-CE (`sft.step_decay`^k per step), acceptance and Draft-OPD's
-    logits along replays. A kind overrides what it trains differently (`sft_loss`)."""
+    the TTT unroll, acceptance, and Draft-OPD's logits along replays and its CE anchor (the
+    TTT soft-CE, `sft.step_decay`^k per step). `sft_loss` is each kind's own (EAGLE-3's
+    objectives, MTP's per-depth mean)."""
 
     vocab: DraftVocab
 
@@ -384,17 +463,6 @@ class ChainDrafter:
 
     replay = replay_chain
     unroll = chain_unroll
-
-    def sft_loss(
-        self,
-        out: Unrolled,
-        teacher: Tensor,
-        last_hidden: Tensor,
-        *,
-        decay: float,
-        objective: str | None = None,
-    ) -> Tensor:
-        return sft_loss(out.logits, out.valid, teacher, decay)
 
     def acceptance(
         self, out: Unrolled, target_logits: Tensor, *, chain_k: int, expected: bool = True

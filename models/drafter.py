@@ -168,7 +168,8 @@ class Drafter(nn.Module, ABC):
     a stage that needs one checks it with `require`."""
 
     spec: ClassVar[KindSpec]  # the kind's spec (set by it: models.kind.KindSpec)
-    config: Any  # the kind's frozen config dataclass (`to_dict()` / `from_dict()`)
+    config_type: ClassVar[Any]  # the kind's frozen config dataclass (a `KindConfig`)
+    config: Any  # this drafter's, a `config_type`
 
     @property
     def kind(self) -> str:
@@ -189,8 +190,17 @@ class Drafter(nn.Module, ABC):
     @classmethod
     def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
         """Refuse settings `new` could not build a drafter of for `target` (ValueError naming
-        the setting), without allocating one: callers run it before any work. A kind without
-        settings accepts none (its settings model refuses them)."""
+        the setting), without allocating one: callers run it before any work. It builds the
+        config alone, at the target's vocab size: the draft vocab's size is no setting (the
+        features' map gives it), and every rule accepts the target's."""
+        cls.config_for(target, target.vocab_size, settings)
+
+    @classmethod
+    @abstractmethod
+    def config_for(cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]) -> Any:
+        """The config `new` builds for `target`, a draft vocab of `draft_vocab_size` ids and
+        the kind's `settings`; a ValueError names a setting it cannot build (a kind without
+        settings accepts none: its settings model refuses them)."""
 
     @classmethod
     def settings_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -204,7 +214,6 @@ class Drafter(nn.Module, ABC):
         return self.spec.settings_of(self.settings_of(self.config.to_dict())).reads()
 
     @classmethod
-    @abstractmethod
     def from_tensors(
         cls,
         config: Mapping[str, Any],
@@ -212,9 +221,17 @@ class Drafter(nn.Module, ABC):
         tensors: Mapping[str, Tensor],
         source: str,
     ) -> Drafter:
-        """A drafter from a checkpoint's config and tensors (beside the target's embedding,
-        None for a kind that reads none); refuses missing, unexpected or
-        misshapen tensors by name (`source` names the checkpoint in errors)."""
+        """A drafter from a checkpoint's config (read as the kind's `config_type`) and tensors
+        (beside the target's embedding, None for a kind that reads none); refuses missing,
+        unexpected or misshapen tensors by name (`source` names the checkpoint in errors)."""
+        return cls.from_config(cls.config_type.from_dict(config), embed_weight, tensors, source)
+
+    @classmethod
+    @abstractmethod
+    def from_config(
+        cls, config: Any, embed_weight: Tensor | None, tensors: Mapping[str, Tensor], source: str
+    ) -> Drafter:
+        """`from_tensors` once the checkpoint's config is read back."""
 
     @abstractmethod
     def tensors(self) -> dict[str, Tensor]:
@@ -228,7 +245,7 @@ class Drafter(nn.Module, ABC):
         """This drafter's kind and config with other tensors (e.g. gathered from FSDP shards)."""
         embed = self.frozen_embedding()
         device = next(self.parameters()).device if embed is None else embed.device
-        return type(self).from_tensors(self.config.to_dict(), embed, tensors, source).to(device)
+        return type(self).from_config(self.config, embed, tensors, source).to(device)
 
     def frozen_embedding(self) -> Tensor | None:
         """The target's embedding this drafter reads (never trained, never saved); None for a
@@ -389,10 +406,10 @@ class ServableDrafter(Drafter):
     def from_export(
         cls, export_dir: Path, config: Any, embed: Tensor | None, tensors: Mapping[str, Tensor]
     ) -> Drafter:
-        """`from_tensors` on what an export holds (`config` the kind's config read from it), a
+        """`from_config` on what an export holds (`config` the kind's config read from it), a
         misfit refused as the `ExportError` it is."""
         try:
-            return cls.from_tensors(config.to_dict(), embed, tensors, str(export_dir))
+            return cls.from_config(config, embed, tensors, str(export_dir))
         except ValueError as err:  # a tensor set or shape that does not fit the config
             raise ExportError(str(err)) from None
 
@@ -475,38 +492,20 @@ def weights_dtype(tensors: Mapping[str, Tensor], source: str) -> torch.dtype:
 
 
 class FrozenEmbeddingDrafter(Drafter):
-    """What the kinds built on the target's own embedding share (EAGLE-3, DFlash): the module
-    reads the target's frozen `embed_tokens` (never trained, never saved), carries the
+    """What the kinds built on the target's own embedding share (EAGLE-3, DFlash, MTP): the
+    module reads the target's frozen `embed_tokens` (never trained, never saved), carries the
     draft-vocab map as `d2t` / `t2d` buffers, runs beside that embedding, is built as
-    `cls(config, embed_weight, vocab)` and read back from its `config_type`'s `to_dict()`."""
+    `cls(config, embed_weight, vocab)` (a kind built otherwise overrides `built_for` and
+    `untrained`)."""
 
     embed_tokens: nn.Embedding
-    config_type: ClassVar[Any]  # the kind's config dataclass, read back by `from_tensors`
 
     @classmethod
-    def from_tensors(
-        cls,
-        config: Mapping[str, Any],
-        embed_weight: Tensor,
-        tensors: Mapping[str, Tensor],
-        source: str,
-    ) -> Drafter:
-        cfg = cls.config_type.from_dict(config)
-        check_trained_for(embed_weight, cfg, source)
-        return cls.from_checked_tensors(cfg, embed_weight, tensors, source)
-
-    @classmethod
-    def from_checked_tensors(
+    def from_config(
         cls, config: Any, embed_weight: Tensor, tensors: Mapping[str, Tensor], source: str
     ) -> Drafter:
-        """`cls(config, ...)` loaded with `tensors`, refusing missing, unexpected or misshapen
-        ones by name."""
-        for name in ("d2t", "t2d"):
-            if name not in tensors:
-                raise ValueError(
-                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
-                )
-        drafter = cls(config, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
+        check_trained_for(embed_weight, config, source)
+        drafter = cls.built_for(config, embed_weight, tensors, source)
         check_tensor_set(drafter.tensors(), tensors, source)
         # on the embedding's device: the drafter runs beside the target whose embedding it shares
         drafter.to(device=embed_weight.device, dtype=weights_dtype(tensors, source))
@@ -514,6 +513,19 @@ class FrozenEmbeddingDrafter(Drafter):
         drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
         drafter.load_state_dict(tensors, strict=False)
         return drafter
+
+    @classmethod
+    def built_for(
+        cls, config: Any, embed_weight: Tensor, tensors: Mapping[str, Tensor], source: str
+    ) -> Drafter:
+        """A fresh drafter of `config` for `tensors` to load into, built from what of them its
+        constructor takes (the draft vocab map)."""
+        for name in ("d2t", "t2d"):
+            if name not in tensors:
+                raise ValueError(
+                    f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
+                )
+        return cls(config, embed_weight, DraftVocab(tensors["d2t"], tensors["t2d"]))
 
     def tensors(self) -> dict[str, Tensor]:
         return without_embedding(self)

@@ -26,6 +26,7 @@ from lab.experiments.common import (
     BUDGET_UNIT,
     TEMPERATURES,
     Runner,
+    WarmupPrompts,
     arm_budget,
     check_arm_options,
     heldout_sequences,
@@ -145,24 +146,21 @@ def ablate(
     first_seed: int | None = None,
     budget: int | None = None,
     budget_ratio: float = 0.25,
-    prompts: Dataset | None = None,
-    eval_prompts: Dataset | None = None,
-    eval_max_prompts: int | None = None,
-    rollout_prompts: Dataset | None = None,
+    prompts: WarmupPrompts = WarmupPrompts(),
     command: str | None = None,
 ) -> dict[str, Any]:
     """OPD variants, one factor at a time, from opd-vs-sft's warm-up at one drafter budget
     (`budget`, else `budget_ratio` x the warm-up's; split over each variant's rounds), each
     evaluated at T=0 and T=1 for every seed; `levels` keeps only the levels with those labels
     (all when None). `first_seed` (default `sft.seed`) lets separate processes run disjoint
-    seeds against one root, as for opd-vs-sft. `prompts`, `eval_prompts`, `eval_max_prompts` and
-    `rollout_prompts` go to `warm_up`, as for opd-vs-sft. Returns the result as JSON-able data."""
+    seeds against one root, as for opd-vs-sft. `prompts` go to `warm_up`, as for opd-vs-sft.
+    Returns the result as JSON-able data."""
     check_arm_options(
         cfg, seeds=seeds, budget=budget, budget_ratio=budget_ratio, first_seed=first_seed
     )
     variants = ablation_variants(cfg, factors, levels)
     run = Runner(ctx)
-    warm = warm_up(run, cfg, prompts, eval_prompts, eval_max_prompts, rollout_prompts)
+    warm = warm_up(run, cfg, prompts)
     budget = arm_budget(warm, budget, budget_ratio)
     heldout = heldout_sequences(run, cfg, warm)
     log.info(

@@ -168,6 +168,17 @@ class Runner:
         return {k: r.dataset for k, r in self.results.items() if r.dataset is not None}
 
 
+@dataclass(frozen=True)
+class WarmupPrompts:
+    """The prompts datasets an experiment's warm-up reads (`warm_up` says what each changes);
+    None: the warm-up's own."""
+
+    prompts: Dataset | None = None  # instead of running the prompts stage
+    eval_prompts: Dataset | None = None
+    eval_max_prompts: int | None = None
+    rollout_prompts: Dataset | None = None
+
+
 @dataclass
 class Warmup:
     """The shared start of every arm and variant: its prompts, features and SFT drafter."""
@@ -185,15 +196,9 @@ class Warmup:
     rollout_prompts: Dataset  # whose train split the arms' fresh sequences come from (`prompts`)
 
 
-def warm_up(
-    run: Runner,
-    cfg: PipelineConfig,
-    prompts: Dataset | None,
-    eval_prompts: Dataset | None = None,
-    eval_max_prompts: int | None = None,
-    rollout_prompts: Dataset | None = None,
-) -> Warmup:
-    """The SFT chain's prompts -> generate -> features -> sft (cached with `opd run full`'s).
+def warm_up(run: Runner, cfg: PipelineConfig, given: WarmupPrompts) -> Warmup:
+    """The SFT chain's prompts -> generate -> features -> sft (cached with `opd run full`'s),
+    on `given.prompts` when set instead of the prompts stage's.
 
     `eval_prompts`: evaluate decodes this prompts dataset's held-out split instead of the warm-up
     prompts' own (benchmark sets the training prompts do not hold; `check_eval_prompts`), the
@@ -204,15 +209,18 @@ def warm_up(
     if cfg.rounds < 1:
         raise OpdError("the experiment needs rounds >= 1 (Draft-OPD rounds); set --set rounds=2")
     steps = chains.sft_chain(cfg)[:-1]
+    prompts = given.prompts
     if prompts is None:
         prompts = run.chain(steps[:1], {})["prompts"]
     ecfg = cfg.evaluate
-    if eval_max_prompts is not None:
-        ecfg = ecfg.model_copy(update={"max_prompts": eval_max_prompts})
+    if given.eval_max_prompts is not None:
+        ecfg = ecfg.model_copy(update={"max_prompts": given.eval_max_prompts})
+    eval_prompts = given.eval_prompts
     if eval_prompts is None:
         eval_prompts = prompts
     else:  # before the warm-up trains, not after
         check_eval_prompts(eval_prompts, prompts, ecfg)
+    rollout_prompts = given.rollout_prompts
     if rollout_prompts is None:
         rollout_prompts = prompts
     else:

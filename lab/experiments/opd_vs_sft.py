@@ -47,6 +47,7 @@ from lab.experiments.common import (
     TEMPERATURES,
     Runner,
     Warmup,
+    WarmupPrompts,
     arm_budget,
     check_arm_options,
     heldout_sequences,
@@ -85,18 +86,14 @@ def opd_vs_sft(
     budget: int | None = None,
     budget_ratio: float = 1.0,
     sft_data_temperature: float | None = None,
-    prompts: Dataset | None = None,
-    eval_prompts: Dataset | None = None,
-    eval_max_prompts: int | None = None,
-    rollout_prompts: Dataset | None = None,
+    prompts: WarmupPrompts = WarmupPrompts(),
     command: str | None = None,
     speed: bool = False,
 ) -> dict[str, Any]:
     """Run the experiment (see the module docstring); returns the result as JSON-able data.
 
     `budget` (row-steps per arm) defaults to `budget_ratio` x the warm-up's own budget.
-    `prompts` (instead of running the prompts stage), `eval_prompts`, `eval_max_prompts` and
-    `rollout_prompts` go to `warm_up`, which says what each changes. `first_seed` (default
+    `prompts` go to `warm_up`, which says what each changes. `first_seed` (default
     `sft.seed`) lets separate processes run disjoint seeds against one root; a later run over
     all seeds reuses their datasets. `command`: the command line to quote in the report.
     `speed`: also time the first seed's drafters against plain decoding (`measure_speed`).
@@ -110,7 +107,7 @@ def opd_vs_sft(
         sft_data_temperature=sft_data_temperature,
     )
     run = Runner(ctx)
-    warm = warm_up(run, cfg, prompts, eval_prompts, eval_max_prompts, rollout_prompts)
+    warm = warm_up(run, cfg, prompts)
     budget = arm_budget(warm, budget, budget_ratio)
     log.info(
         "[experiment] warm-up %s spent %d row-steps; each arm gets %d",

@@ -49,20 +49,14 @@ class DFlashDrafter(
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> DFlashDrafter:
         if cls.spec.settings.given(settings)["head"] == "target":
             vocab = DraftVocab.full(target.vocab_size)  # the target's head reads every id
-        config = cls._config(target, vocab.draft_vocab_size, settings)
+        config = cls.config_for(target, vocab.draft_vocab_size, settings)
         drafter = cls(config, target.embed_weight, vocab)
         if config.head == "target":
             drafter.take_target_head(target.lm_head_weight)
         return drafter
 
     @classmethod
-    def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
-        # Every rule of DFlashConfig, on the config alone (no tensors). The draft vocab's size
-        # is no setting (the features' map gives it): the target's, which every rule accepts.
-        cls._config(target, target.vocab_size, settings)
-
-    @classmethod
-    def _config(
+    def config_for(
         cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
     ) -> DFlashConfig:
         given = cls.spec.settings.given(settings)

@@ -29,13 +29,12 @@ from torch import Tensor, nn
 
 from models.head_loss import HeadLogits
 from models.kind_config import (
-    KindConfig,
+    TargetLayout,
     check_embedding_shape,
     hf_config_dict,
     target_layout,
 )
 from models.layers import (
-    SUPPORTED_ROPE_TYPES,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
@@ -67,20 +66,12 @@ shorter, so every trainable position becomes an anchor; longer ones are subsampl
 
 
 @dataclass(frozen=True)
-class DFlashConfig(KindConfig):
-    """Shape of a DFlash drafter. Sizes, attention layout, norm eps and rope are the target's;
-    `num_layers`, `block_size`, `mask_token_id` and `anchors` are the kind's own settings."""
+class DFlashConfig(TargetLayout):
+    """Shape of a DFlash drafter. Sizes, attention layout, norm eps and rope are the target's
+    (`TargetLayout`); `num_layers`, `block_size`, `mask_token_id` and `anchors` are the kind's
+    own settings."""
 
-    hidden_size: int
     target_hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_parameters: dict[str, Any]
-    max_position_embeddings: int
-    vocab_size: int
     draft_vocab_size: int
     target_layer_ids: tuple[int, ...]  # HF hidden_states[k] convention, as the features stage
     target_num_layers: int
@@ -91,11 +82,9 @@ class DFlashConfig(KindConfig):
     head: str = DEFAULT_HEAD  # drafters saved before the choice existed have a draft head
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        object.__setattr__(self, "rope_parameters", dict(self.rope_parameters))
-        for name in ("hidden_size", "num_layers", "anchors", "draft_vocab_size", "head_dim"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"DFlashConfig.{name} must be positive, got {getattr(self, name)}")
+        self.check_positive(("num_layers", "anchors", "draft_vocab_size"))
         if self.block_size < 2:
             raise ValueError(
                 f"DFlash block_size must be >= 2 (the anchor plus at least one drafted slot), "
@@ -130,19 +119,9 @@ class DFlashConfig(KindConfig):
                 f"a DFlash target head covers the full vocab ({self.vocab_size}), but "
                 f"draft_vocab_size is {self.draft_vocab_size}; build it with DraftVocab.full"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
         check_aux_layer_ids(
             self.target_layer_ids, self.target_num_layers, len(self.target_layer_ids)
         )
-        if self.rope_parameters.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope_type {self.rope_parameters.get('rope_type')!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-            )
 
     @classmethod
     def from_target(

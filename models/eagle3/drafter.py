@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.chain import ChainDrafter, Unrolled
+from models.chain import ChainDrafter
 from models.drafter import (
     ExportTarget,
     FrozenEmbeddingDrafter,
@@ -34,10 +34,14 @@ class Eagle3Drafter(
 
     @classmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> Eagle3Drafter:
-        config = Eagle3Config.from_target(
-            target.config, vocab.draft_vocab_size, target.aux_layer_ids
-        )
+        config = cls.config_for(target, vocab.draft_vocab_size, settings)
         return cls(config, target.embed_weight, vocab)
+
+    @classmethod
+    def config_for(
+        cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
+    ) -> Eagle3Config:
+        return Eagle3Config.from_target(target.config, draft_vocab_size, target.aux_layer_ids)
 
     def check_target(self, target: Any) -> None:
         cfg = self.config
@@ -56,16 +60,7 @@ class Eagle3Drafter(
 
     # -- training -------------------------------------------------------------------------
 
-    def sft_loss(
-        self,
-        out: Unrolled,
-        teacher: Tensor,
-        last_hidden: Tensor,
-        *,
-        decay: float,
-        objective: str | None = None,
-    ) -> Tensor:
-        return objective_loss(out, teacher, last_hidden, decay=decay, objective=objective)
+    sft_loss = staticmethod(objective_loss)  # train.py's objectives read the unroll alone
 
     # -- serving --------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ def objective_loss(
     last_hidden: Tensor,
     *,
     decay: float,
-    objective: str | None,
+    objective: str | None = None,
 ) -> Tensor:
     """EAGLE-3's TTT soft-CE over every step, or EAGLE-1's objective on step 0 (the only step
     it trains)."""

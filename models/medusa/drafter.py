@@ -33,6 +33,7 @@ from models.vocab import DraftVocab
 
 
 class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafter):
+    config_type = MedusaConfig
     # The training forwards are train.py's functions, the drafter first.
     slot_logits = head_slot_logits
     unroll = heads_unroll
@@ -41,16 +42,12 @@ class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafte
 
     @classmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> MedusaDrafter:
-        drafter = cls(cls._config(target, vocab.draft_vocab_size, settings), vocab)
+        drafter = cls(cls.config_for(target, vocab.draft_vocab_size, settings), vocab)
         drafter.start_from_target_head(target.lm_head_weight)
         return drafter
 
     @classmethod
-    def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
-        cls._config(target, target.vocab_size, settings)
-
-    @classmethod
-    def _config(
+    def config_for(
         cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
     ) -> MedusaConfig:
         given = cls.spec.settings.given(settings)
@@ -63,20 +60,19 @@ class MedusaDrafter(MedusaHeads, BlockTraining, TrainableDrafter, ServableDrafte
         )
 
     @classmethod
-    def from_tensors(
+    def from_config(
         cls,
-        config: Mapping[str, Any],
+        config: MedusaConfig,
         embed_weight: Tensor | None,
         tensors: Mapping[str, Tensor],
         source: str,
     ) -> MedusaDrafter:
-        cfg = MedusaConfig.from_dict(config)
         for name in ("d2t", "t2d"):
             if name not in tensors:
                 raise ValueError(
                     f"{source}: tensor {name!r} is missing; the draft vocab map cannot be rebuilt"
                 )
-        drafter = cls(cfg, DraftVocab(tensors["d2t"], tensors["t2d"]))
+        drafter = cls(config, DraftVocab(tensors["d2t"], tensors["t2d"]))
         check_tensor_set(drafter.tensors(), tensors, source)
         drafter.to(dtype=tensors["heads.0.weight"].dtype)
         drafter.load_state_dict(dict(tensors))

@@ -11,67 +11,43 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from models.chain import ChainDrafter, Unrolled
-from models.drafter import (
-    TrainableDrafter,
-    check_matches_target,
-    check_tensor_set,
-    check_trained_for,
-    without_embedding,
-)
+from models.drafter import FrozenEmbeddingDrafter, TrainableDrafter, check_matches_target
 from models.mtp.model import MTPConfig, MTPModel
 from models.mtp.train import depth_mean_loss, depth_mean_rollout_loss
 from models.vocab import DraftVocab
 
 
-class MTPDrafter(MTPModel, ChainDrafter, TrainableDrafter):
+class MTPDrafter(MTPModel, ChainDrafter, FrozenEmbeddingDrafter, TrainableDrafter):
+    config_type = MTPConfig
+
     # -- building -------------------------------------------------------------------------
 
     @classmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> MTPDrafter:
         # `vocab` (the features' pruned map) goes unused: the target's head reads every id.
-        modules = cls.spec.settings.given(settings)["modules"]
-        return cls(
-            MTPConfig.from_target(target.config, modules),
-            target.embed_weight,
-            target.lm_head_weight,
-        )
+        config = cls.config_for(target, vocab.draft_vocab_size, settings)
+        return cls(config, target.embed_weight, target.lm_head_weight)
 
     @classmethod
-    def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
-        MTPConfig.from_target(target.config, cls.spec.settings.given(settings)["modules"])
+    def config_for(
+        cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
+    ) -> MTPConfig:
+        return MTPConfig.from_target(target.config, cls.spec.settings.given(settings)["modules"])
 
     @classmethod
-    def from_tensors(
-        cls,
-        config: Mapping[str, Any],
-        embed_weight: Tensor,
-        tensors: Mapping[str, Tensor],
-        source: str,
+    def built_for(
+        cls, config: Any, embed_weight: Tensor, tensors: Mapping[str, Tensor], source: str
     ) -> MTPDrafter:
-        cfg = MTPConfig.from_dict(config)
-        check_trained_for(embed_weight, cfg, source)
         if "lm_head.weight" not in tensors:
             raise ValueError(f"{source}: tensor 'lm_head.weight' (the target's head) is missing")
-        drafter = cls(cfg, embed_weight, tensors["lm_head.weight"])
-        check_tensor_set(drafter.tensors(), tensors, source)
-        drafter.to(device=embed_weight.device, dtype=tensors["lm_head.weight"].dtype)
-        # `.to()` may have cast the shared embedding; re-attach the target's own tensor.
-        drafter.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
-        drafter.load_state_dict(dict(tensors), strict=False)
-        return drafter
-
-    def tensors(self) -> dict[str, Tensor]:
-        return without_embedding(self)
+        return cls(config, embed_weight, tensors["lm_head.weight"])
 
     def untrained(self) -> MTPDrafter:
         fresh = type(self)(self.config, self.embed_tokens.weight, self.lm_head.weight)
         return fresh.to(self.lm_head.weight.device)
-
-    def frozen_embedding(self) -> Tensor:
-        return self.embed_tokens.weight
 
     def check_target(self, target: Any) -> None:
         check_matches_target(self, target)

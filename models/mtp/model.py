@@ -25,63 +25,29 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.chain import ChainAttention, TTTCache
+from models.chain import ChainAttention, ChainLayer, ChainNetwork
 from models.features import Features
-from models.head_loss import HeadLogits
-from models.kind_config import KindConfig, hf_config_dict, target_layout
-from models.kv import KVCache
+from models.kind_config import TargetLayout, hf_config_dict, target_layout
 from models.layers import (
-    SUPPORTED_ROPE_TYPES,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
 )
-from models.vocab import DraftVocab, VocabBuffers
+from models.vocab import DraftVocab
 
 DEFAULT_MODULES = 1
 """DeepSeek-V3 trains and ships one MTP module."""
 
 
 @dataclass(frozen=True)
-class MTPConfig(KindConfig):
-    """Shape of an MTP drafter: the target's sizes and `num_modules` (D)."""
+class MTPConfig(TargetLayout):
+    """Shape of an MTP drafter: the target's layout (`TargetLayout`) and `num_modules` (D)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_parameters: dict[str, Any]
-    max_position_embeddings: int
-    vocab_size: int
     num_modules: int = DEFAULT_MODULES
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rope_parameters", dict(self.rope_parameters))
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "vocab_size",
-            "num_modules",
-        ):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"MTPConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        rope_type = self.rope_parameters.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES or "rope_theta" not in self.rope_parameters:
-            raise ValueError(
-                f"rope {self.rope_parameters} is not supported by the drafter (rope types: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}, with rope_theta); use such a target"
-            )
+        super().__post_init__()
+        self.check_positive(("num_modules",))
 
     @classmethod
     def from_target(cls, target_hf_config: Any, num_modules: int = DEFAULT_MODULES) -> MTPConfig:
@@ -94,7 +60,7 @@ class MTPConfig(KindConfig):
         return cls(**target_layout(cfg), num_modules=num_modules)
 
 
-class MTPModule(nn.Module):
+class MTPModule(ChainLayer):
     """One MTP module: [enorm(embedding); hnorm(hidden)] -> eh_proj -> one decoder layer; `norm`
     is its head's norm (each DeepSeek-V3 module has its own before the shared head)."""
 
@@ -112,21 +78,12 @@ class MTPModule(nn.Module):
         self.mlp = SwiGLU(H, config.intermediate_size)
         self.norm = RMSNorm(H, eps)
 
-    def forward(
-        self,
-        embeds: Tensor,
-        hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        attention_mask: Tensor | None,
-        cache: KVCache | TTTCache | None,
-    ) -> Tensor:
+    def attention_input(self, embeds: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [B, T, H]
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
+        return self.input_layernorm(x), x
 
 
-class MTPModel(VocabBuffers):
+class MTPModel(ChainNetwork):
     """D MTP modules between the target's frozen embedding and its frozen lm_head.
 
     `embed_tokens` is the target's and is never saved; `lm_head` is a frozen copy of the
@@ -167,28 +124,7 @@ class MTPModel(VocabBuffers):
         """The first module reads the target's state itself (through its `hnorm`)."""
         return states.to(self.layers[0].eh_proj.weight.dtype)
 
-    def chain_step(
-        self,
-        step: int,
-        input_ids: Tensor,
-        hidden: Tensor,
-        position_ids: Tensor,
-        *,
-        attention_mask: Tensor | None = None,
-        cache: KVCache | TTTCache | None = None,
-        head_at: Tensor | None = None,
-        lazy_head: bool = False,
-    ) -> tuple[Tensor | HeadLogits, Tensor]:
-        """Module step+1, or the last one past D: (logits [B, T, V] fp32, hidden_out [B, T, H]);
-        with `head_at` [B] (one row of each batch row) the logits there only, [B, V]; with
-        `lazy_head` as a `HeadLogits`, for a fused loss to compute a chunk at a time."""
+    def step_layer(self, step: int) -> tuple[ChainLayer, nn.Module]:
+        """Module step+1, or the last one past D, and that module's own norm."""
         module = self.layers[min(step, len(self.layers) - 1)]
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
-        cos, sin = self.rotary(position_ids, hidden.dtype)  # [B, T, d]
-        hidden_out = module(embeds, hidden, cos, sin, attention_mask, cache)  # [B, T, H]
-        read = hidden_out
-        if head_at is not None:  # one row of each batch row: [B, H]
-            read = hidden_out[torch.arange(len(head_at), device=head_at.device), head_at]
-        if lazy_head:
-            return HeadLogits.of(module.norm(read), self.lm_head.weight), hidden_out
-        return self.lm_head(module.norm(read)).float(), hidden_out
+        return module, module.norm

@@ -41,40 +41,46 @@ class NgramConfig(KindConfig):
     prompt_lookup_min: int = PROMPT_LOOKUP_SIZES[0]
     prompt_lookup_max: int = PROMPT_LOOKUP_SIZES[1]
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must lie in [1, "
+                f"prompt_lookup_max ({self.prompt_lookup_max})]"
+            )
+
 
 class NgramDrafter(ServableDrafter):
+    config_type = NgramConfig
+
     def __init__(self, config: NgramConfig) -> None:
         super().__init__()
-        if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min ({config.prompt_lookup_min}) must lie in [1, "
-                f"prompt_lookup_max ({config.prompt_lookup_max})]"
-            )
         self.config = config
 
     # -- building -------------------------------------------------------------------------
 
     @classmethod
     def new(cls, target: Any, vocab: DraftVocab, settings: Mapping[str, Any]) -> NgramDrafter:
+        return cls(cls.config_for(target, vocab.draft_vocab_size, settings))
+
+    @classmethod
+    def config_for(
+        cls, target: Any, draft_vocab_size: int, settings: Mapping[str, Any]
+    ) -> NgramConfig:
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise ValueError(
                 f"unknown n-gram lookup settings {unknown}; it takes {sorted(SETTINGS)}"
             )
-        return cls(NgramConfig(target.vocab_size, **(SETTINGS | dict(settings))))
-
-    @classmethod
-    def check_settings(cls, settings: Mapping[str, Any], target: Any) -> None:
-        cls.new(target, DraftVocab.full(1), settings)
+        return NgramConfig(target.vocab_size, **(SETTINGS | dict(settings)))
 
     @classmethod
     def settings_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
         return {name: config.get(name, default) for name, default in SETTINGS.items()}
 
     @classmethod
-    def from_tensors(
+    def from_config(
         cls,
-        config: Mapping[str, Any],
+        config: NgramConfig,
         embed_weight: Tensor | None,
         tensors: Mapping[str, Tensor],
         source: str,
@@ -83,7 +89,7 @@ class NgramDrafter(ServableDrafter):
             raise ValueError(
                 f"{source}: an n-gram lookup holds no tensors, found {sorted(tensors)}"
             )
-        return cls(NgramConfig.from_dict(config))
+        return cls(config)
 
     def tensors(self) -> dict[str, Tensor]:
         return {}

@@ -34,7 +34,12 @@ def opd_vs_sft(tmp_path_factory):
     ctx = RunContext(store=store, target_loader=TargetLoader(cfg.target), progress=False)
     prompts = write_prompts(store)
     result = opd_vs_sft_experiment.opd_vs_sft(
-        cfg, ctx, seeds=2, budget_ratio=0.5, prompts=prompts, command="opd experiment ..."
+        cfg,
+        ctx,
+        seeds=2,
+        budget_ratio=0.5,
+        prompts=common.WarmupPrompts(prompts),
+        command="opd experiment ...",
     )
     return store, ctx, prompts, result
 
@@ -235,9 +240,7 @@ def test_opd_vs_sft_evaluates_other_prompts_per_set_and_retrains_nothing(opd_vs_
         ctx,
         seeds=2,
         budget=result["budget_row_steps"],
-        prompts=prompts,
-        eval_prompts=bench,
-        eval_max_prompts=2,
+        prompts=common.WarmupPrompts(prompts, eval_prompts=bench, eval_max_prompts=2),
     )
     assert other["eval_prompts"] == str(bench.ref) and result["eval_prompts"] == str(prompts.ref)
     assert other["heldout_prompts"] == 2  # of each set, while the arms validate on tiny's 4
@@ -280,7 +283,7 @@ def test_opd_vs_sft_refuses_eval_prompts_it_trains_on(opd_vs_sft):
     _, ctx, _, _ = opd_vs_sft
     with pytest.raises(OpdError, match=r"4 of the 4 prompts .* are training prompts of"):
         opd_vs_sft_experiment.opd_vs_sft(
-            cfg, ctx, seeds=1, budget=1, prompts=prompts, eval_prompts=trained_on
+            cfg, ctx, seeds=1, budget=1, prompts=common.WarmupPrompts(prompts, trained_on)
         )
     recipe = write_recipe(store.root.parent, "rounds=1")
     r = CliRunner().invoke(
@@ -316,7 +319,11 @@ def test_opd_vs_sft_drafts_on_fresh_prompts_and_refuses_trained_or_evaluated_one
     cfg = load_config("tiny", sets=["rounds=1"])
     budget = result["budget_row_steps"]
     other = opd_vs_sft_experiment.opd_vs_sft(
-        cfg, ctx, seeds=1, budget=budget, prompts=prompts, rollout_prompts=fresh
+        cfg,
+        ctx,
+        seeds=1,
+        budget=budget,
+        prompts=common.WarmupPrompts(prompts, rollout_prompts=fresh),
     )
     assert result["rollout_prompts"] == str(prompts.ref)  # the default: the warm-up's own
     assert other["rollout_prompts"] == str(fresh.ref)
@@ -347,7 +354,11 @@ def test_opd_vs_sft_drafts_on_fresh_prompts_and_refuses_trained_or_evaluated_one
     ):
         with pytest.raises(OpdError, match=message):
             opd_vs_sft_experiment.opd_vs_sft(
-                cfg, ctx, seeds=1, budget=budget, prompts=prompts, rollout_prompts=bad
+                cfg,
+                ctx,
+                seeds=1,
+                budget=budget,
+                prompts=common.WarmupPrompts(prompts, rollout_prompts=bad),
             )
 
 
@@ -449,7 +460,12 @@ def test_ablate_writes_a_table_and_plot_of_every_variant(tiny):
     store, ctx, _, prompts = tiny
     cfg = load_config("tiny", sets=["rounds=1"])
     result = ablate.ablate(
-        cfg, ctx, factors=["replays", "gamma"], seeds=1, budget_ratio=0.5, prompts=prompts
+        cfg,
+        ctx,
+        factors=["replays", "gamma"],
+        seeds=1,
+        budget_ratio=0.5,
+        prompts=common.WarmupPrompts(prompts),
     )
     levels = [(r["factor"], r["level"]) for r in result["rows"]]
     assert levels == [
