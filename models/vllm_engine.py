@@ -60,21 +60,18 @@ class EngineSpec:
     drafter: str | None = None
     """An exported drafter directory (native eagle3 or speculators format)."""
     k: int = 0
-    """Drafted tokens per step (num_speculative_tokens); used only with a drafter."""
+    """Drafted tokens per step (num_speculative_tokens); used only with a method."""
     seed: int = 0
-    method: str = "eagle3"
-    """vLLM's speculative method for the drafter: the kind's `serve_method` (models/<kind>/), or
-    `ngram` (prompt lookup, no drafter directory: the free baseline every result stands beside)."""
+    method: str | None = None
+    """vLLM's speculative method: the drafter kind's `serve_method` (models/<kind>/); None:
+    plain decoding. A method vLLM drafts with itself (prompt lookup) has no drafter directory."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """The rest of the kind's speculative config (the lookup's n-gram sizes), as items: the
+    spec is hashed to find its running engine."""
 
     @property
     def speculates(self) -> bool:
-        return self.drafter is not None or self.method == NGRAM
-
-
-NGRAM = "ngram"
-PROMPT_LOOKUP_SIZES = (2, 4)
-"""vLLM's prompt-lookup n-gram sizes (prompt_lookup_min, _max) for the `ngram` baseline: the
-range vLLM's docs use; longer matches are tried first."""
+        return self.method is not None
 
 
 @dataclass(frozen=True)
@@ -297,14 +294,10 @@ def log_path(spec: EngineSpec) -> Path | None:
 def speculative_config(spec: EngineSpec) -> dict[str, Any]:
     """The `speculative_config` the engine for a speculating `spec` is started with (what
     `vllm serve --speculative-config` takes)."""
-    if spec.method == NGRAM:
-        return {
-            "method": NGRAM,
-            "num_speculative_tokens": spec.k,
-            "prompt_lookup_min": PROMPT_LOOKUP_SIZES[0],
-            "prompt_lookup_max": PROMPT_LOOKUP_SIZES[1],
-        }
-    return {"method": spec.method, "model": spec.drafter, "num_speculative_tokens": spec.k}
+    config: dict[str, Any] = {"method": spec.method}
+    if spec.drafter is not None:
+        config["model"] = spec.drafter
+    return config | {"num_speculative_tokens": spec.k} | dict(spec.options)
 
 
 def serve_command(spec: EngineSpec) -> str:
@@ -490,7 +483,7 @@ def speculate(
     from vllm.inputs import TokensPrompt
 
     if not spec.speculates:
-        raise ValueError("speculate needs an EngineSpec with a drafter or method=ngram")
+        raise ValueError("speculate needs an EngineSpec with a speculative method")
     llm = engine(spec)
     params = [
         _sampling(max_new_tokens, temperature, 1.0, seed + i, stop_ids) for i in range(len(prompts))
@@ -525,7 +518,7 @@ def measure_speculation(
     k: int,
     prompts: Sequence[Sequence[int]],
     *,
-    method: str = "eagle3",
+    method: str,
     max_new_tokens: int,
     temperature: float,
     seed: int,

@@ -87,10 +87,7 @@ def main() -> None:
     prompts = benchmark_prompts(args.target, args.sets, args.prompts_per_set)
     plain = EngineSpec(str(args.target), args.dtype)
     lookup = baseline_kind().serve_method  # vLLM's method for prompt lookup
-    engines = {
-        "plain": plain,
-        lookup: EngineSpec(str(args.target), args.dtype, None, args.lookup_k, method=lookup),
-    }
+    engines = {"plain": plain, lookup: lookup_engine(args)}
     for item in args.export:
         method, directory = export_method(item)
         for k in args.k:
@@ -114,6 +111,19 @@ def export_method(item: str) -> tuple[str, str]:
     if not record.is_file():
         raise SystemExit(f"--export {item}: no {DRAFTER_RECORD} there; give METHOD=DIR")
     return kind_spec(json.loads(record.read_text())["drafter_kind"]).serve_method, item
+
+
+def lookup_engine(args: argparse.Namespace) -> EngineSpec:
+    """vLLM's prompt lookup as the project's training-free kind serves it by default."""
+    kind = baseline_kind()
+    vocab = json.loads((args.target / "config.json").read_text())["vocab_size"]
+    served = kind.drafter(kind.drafter.config_type(vocab)).speculative_config(
+        args.target, args.lookup_k
+    )
+    method, k = served.pop("method"), served.pop("num_speculative_tokens")
+    return EngineSpec(
+        str(args.target), args.dtype, None, k, method=method, options=tuple(sorted(served.items()))
+    )
 
 
 def measure(
@@ -189,7 +199,7 @@ def measure(
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "k": {lookup: args.lookup_k, "exports": args.k},
-        "prompt_lookup_sizes": list(vllm_engine.PROMPT_LOOKUP_SIZES),
+        "prompt_lookup_sizes": dict(engines[lookup].options),
         "prompts": dict(count),
         "prompts_asked": args.prompts_per_set,
         "by_set": {g: {n: row(n, [g]) for n in engines} for g in groups},

@@ -13,7 +13,7 @@ from models.ngram.drafter import SETTINGS, NgramDrafter
 
 class NgramSettings(KindSettings):
     """The n-gram range, each None = the default vLLM runs in this project
-    (models/vllm_engine.py PROMPT_LOOKUP_SIZES)."""
+    (models/ngram/drafter.py PROMPT_LOOKUP_SIZES)."""
 
     kind: Literal["ngram"] = "ngram"
     prompt_lookup_min: Annotated[int, Field(ge=1)] | None = optional_setting(

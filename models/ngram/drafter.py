@@ -24,9 +24,11 @@ from models.export_format import CONFIG_FILE, PROVENANCE_KEY, WEIGHTS_FILE, Expo
 from models.kind_config import KindConfig
 from models.ngram.lookup import lookup
 from models.ngram.proposer import LookupProposer
-from models.vllm_engine import NGRAM, PROMPT_LOOKUP_SIZES
 from models.vocab import DraftVocab
 
+PROMPT_LOOKUP_SIZES = (2, 4)
+"""vLLM's prompt-lookup n-gram sizes (prompt_lookup_min, _max) by default: the range vLLM's
+docs use; longer matches are tried first."""
 SETTINGS = {
     "prompt_lookup_min": PROMPT_LOOKUP_SIZES[0],
     "prompt_lookup_max": PROMPT_LOOKUP_SIZES[1],
@@ -125,7 +127,7 @@ class NgramDrafter(ServableDrafter):
 
     def speculative_config(self, export_dir: Path, k: int) -> dict[str, Any]:
         return {
-            "method": NGRAM,
+            "method": self.spec.serve_method,
             "num_speculative_tokens": k,
             "prompt_lookup_min": self.config.prompt_lookup_min,
             "prompt_lookup_max": self.config.prompt_lookup_max,
@@ -171,7 +173,9 @@ class NgramDrafter(ServableDrafter):
                 f"{path} is not an n-gram lookup export ({err}); re-export it"
             ) from None
         served = {k: spec.get(k) for k in SETTINGS}
-        if spec.get("method") != NGRAM or served != drafter.settings_of(drafter.config.to_dict()):
+        if spec.get("method") != cls.spec.serve_method or served != drafter.settings_of(
+            drafter.config.to_dict()
+        ):
             raise ExportError(
                 f"{path}: its speculative_config {spec} does not serve the recorded lookup "
                 f"{drafter.config.to_dict()}; re-export it"

@@ -52,7 +52,7 @@ def test_a_start_failure_in_the_engine_process_is_quoted_from_its_log():
 
 def test_a_refusal_names_the_drafter_export():
     err = ValueError("Model architectures ['X'] are not supported\nfor now.")
-    msg = str(_start_failure(EngineSpec("/m", drafter="/exports/d"), err, []))
+    msg = str(_start_failure(EngineSpec("/m", drafter="/exports/d", k=2, method="eagle3"), err, []))
     assert msg.startswith("vLLM refused the drafter export /exports/d: ValueError: Model")
     assert "\n" not in msg
 
@@ -92,8 +92,14 @@ def test_the_serve_command_is_what_the_engine_is_started_with(monkeypatch):
         *("vllm", "serve", "/m/target", "--dtype", "float32", "--seed", "0", "--enforce-eager"),
         *("--speculative-config", json.dumps(spec)),
     ]
-    lookup = vllm_engine.EngineSpec("/m/target", "bfloat16", None, 4, method=vllm_engine.NGRAM)
-    assert vllm_engine.speculative_config(lookup)["prompt_lookup_max"] == 4
+    sizes = (("prompt_lookup_max", 4), ("prompt_lookup_min", 2))
+    lookup = vllm_engine.EngineSpec("/m/target", "bfloat16", None, 4, method="ngram", options=sizes)
+    assert vllm_engine.speculative_config(lookup) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
     plain = shlex.split(vllm_engine.serve_command(vllm_engine.EngineSpec("/m/target", "bfloat16")))
     assert "--speculative-config" not in plain and plain[4] == "bfloat16"
     monkeypatch.setattr(vllm_engine, "device", lambda: "cuda")

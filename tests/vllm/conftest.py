@@ -96,5 +96,7 @@ def eagle3_export(embedded: Embedded, drafter: Dataset) -> Path:
     (and kept) with the K the tests use, so the CLI test reuses it."""
     path = ensure_export(drafter, embedded.ctx.target_loader, embedded.store.root, K, "eagle3")
     plain = embedded.plain
-    vllm_engine.engine(vllm_engine.EngineSpec(plain.model, plain.dtype, str(path), K))
+    vllm_engine.engine(
+        vllm_engine.EngineSpec(plain.model, plain.dtype, str(path), K, method="eagle3")
+    )
     return path

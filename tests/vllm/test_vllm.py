@@ -94,6 +94,7 @@ def test_both_export_formats_load_and_speculate_losslessly(
         str(path),
         K,
         embedded.heldout(),
+        method="eagle3",
         max_new_tokens=embedded.cfg.evaluate.max_new_tokens,
         temperature=0.0,
         seed=0,
@@ -132,7 +133,9 @@ def test_a_drafter_vllm_refuses_is_one_line_with_its_reason_and_path(
     config = json.loads((bad / "config.json").read_text())
     config["architectures"] = ["NoSuchEagleDrafter"]
     (bad / "config.json").write_text(json.dumps(config))
-    spec = vllm_engine.EngineSpec(embedded.plain.model, embedded.plain.dtype, str(bad), K)
+    spec = vllm_engine.EngineSpec(
+        embedded.plain.model, embedded.plain.dtype, str(bad), K, method="eagle3"
+    )
     with pytest.raises(vllm_engine.VllmError) as err:
         vllm_engine.engine(spec)
     msg = str(err.value)
@@ -207,7 +210,7 @@ def test_closing_an_engine_leaves_no_defunct_engine_process(embedded: Embedded, 
     # the last test of this module to use the EAGLE-3 engine: the chain closes engines it started
     # and runs on, so a killed engine core must not stay behind as a zombie
     plain = embedded.plain
-    spec = vllm_engine.EngineSpec(plain.model, plain.dtype, str(eagle3_export), K)
+    spec = vllm_engine.EngineSpec(plain.model, plain.dtype, str(eagle3_export), K, method="eagle3")
     sockets = vllm_engine._ENGINE_SOCKETS[spec]
     assert list(sockets.iterdir())  # the engine's unix sockets, in a directory of its own
     vllm_engine.close(spec)
