@@ -115,6 +115,19 @@ def test_the_findings_are_what_the_published_reports_give():
     assert findings.main(["--check"]) == 0
 
 
+def _published_rows(tmp_path, record: dict, name: str, table: str, **publish_args) -> list[str]:
+    """Publish `record` (a benchmark's JSON) as `name`, render the `table` block over what is
+    published, and return that report's rows."""
+    saved = tmp_path / f"{name}.json"
+    saved.write_text(json.dumps(record))
+    into = tmp_path / "lab" / "published"
+    publish(Store(tmp_path / "data"), str(saved), name, into=into, **publish_args)
+    docs = tmp_path / "docs" / "findings.md"
+    docs.parent.mkdir()
+    out = findings.render(f"<!-- findings: {table} smollm2-* -->\n<!-- /findings -->\n", docs, into)
+    return [line for line in out.splitlines() if line.startswith(f"| [{name}]")]
+
+
 def test_the_sft_curve_is_rendered_from_a_published_record_in_token_order(tmp_path):
     point = dict(train_sequences=10, steps=3, epochs=3.0, acc=[0.5], tau_chain=2.0)
     record = {
@@ -123,16 +136,7 @@ def test_the_sft_curve_is_rendered_from_a_published_record_in_token_order(tmp_pa
             point | {"share": 0.1, "generated_tokens": 128_378, "tau_sim": 1.26},
         ]
     }
-    saved = tmp_path / "curve.json"
-    saved.write_text(json.dumps(record))
-    into = tmp_path / "lab" / "published"
-    publish(Store(tmp_path / "data"), str(saved), "smollm2-curve", into=into, hardware="H200")
-    docs = tmp_path / "docs" / "findings.md"
-    docs.parent.mkdir()
-    out = findings.render(
-        "<!-- findings: sft-curve smollm2-* -->\n<!-- /findings -->\n", docs, into
-    )
-    rows = [line for line in out.splitlines() if line.startswith("| [smollm2-curve]")]
+    rows = _published_rows(tmp_path, record, "smollm2-curve", "sft-curve", hardware="H200")
     assert [r.split(" | ")[3] for r in rows] == ["0.13M", "1.26M"]
     assert "**1.260**" in rows[0] and "**1.934**" in rows[1] and rows[1].endswith("| H200 |")
 
@@ -143,19 +147,8 @@ def test_an_opd_see_result_renders_one_row_per_drafting_decoder(tmp_path):
         {"decoder": "drafter", "label": "EAGLE-3 K=1", "tokens_per_s": 23.0, "speedup": 1.15}
         | {"tau": 1.3, "identical": 24, "prompts": 24, "tau_by_set": {"gsm8k": 1.31}},
     ]
-    saved = tmp_path / "see.json"
-    saved.write_text(
-        json.dumps(
-            {"stage": "see", "cpu": "Xeon", "dtype": "float32", "threads": 2}
-            | {"decoders": decoders}
-        )
-    )
-    into = tmp_path / "lab" / "published"
-    publish(Store(tmp_path / "data"), str(saved), "smollm2-see", into=into)
-    docs = tmp_path / "docs" / "findings.md"
-    docs.parent.mkdir()
-    out = findings.render("<!-- findings: see smollm2-* -->\n<!-- /findings -->\n", docs, into)
-    [row] = [line for line in out.splitlines() if line.startswith("| [smollm2-see]")]
+    record = {"stage": "see", "cpu": "Xeon", "dtype": "float32", "threads": 2}
+    [row] = _published_rows(tmp_path, record | {"decoders": decoders}, "smollm2-see", "see")
     assert "| EAGLE-3 K=1 | **1.300** (gsm8k 1.310) | **1.15×** | 24/24 |" in row
     assert row.endswith("| Xeon, float32, 2 threads |")
 
@@ -170,14 +163,7 @@ def test_a_vllm_benchmark_renders_one_row_per_speculator_beside_vllm_plain(tmp_p
     engines["ngram"]["identical_to_plain"] = 1.0
     result = {"dtype": "float32", "k": {"ngram": 4, "exports": [1]}, "prompts": {"gsm8k": 4}}
     result |= {"by_set": {"gsm8k": engines}, "all": engines, "serve": {"plain": "vllm serve T"}}
-    saved = tmp_path / "vllm.json"
-    saved.write_text(json.dumps(result))
-    into = tmp_path / "lab" / "published"
-    publish(Store(tmp_path / "data"), str(saved), "smollm2-vllm", into=into, hardware="Xeon")
-    docs = tmp_path / "docs" / "findings.md"
-    docs.parent.mkdir()
-    out = findings.render("<!-- findings: vllm smollm2-* -->\n<!-- /findings -->\n", docs, into)
-    rows = [line for line in out.splitlines() if line.startswith("| [smollm2-vllm]")]
+    rows = _published_rows(tmp_path, result, "smollm2-vllm", "vllm", hardware="Xeon")
     assert len(rows) == 2  # plain is what each row is measured against, not a row
     assert "| ngram K=4 | **2.000** (gsm8k 2.000) | **1.50×** | 4/4 | 15.0 (10.0) |" in rows[0]
     assert "| eagle3 K=1 | **1.300** (gsm8k 1.300) | **1.20×** | 2/4 | 12.0 (10.0) |" in rows[1]
