@@ -6,9 +6,10 @@ arithmetic, so whatever they hold (even NaN) changes neither the value nor the g
 losses are means over the unmasked positions; with none, the result is a graph-connected 0.
 
 Draft logits may be a `models.head_loss.HeadLogits` (a head not yet applied to its hidden
-states), or a `HeadSlots` (slots along dim -2 that each read their own head) wherever the soft CE, the forward / reverse KL or Draft-OPD's losses read them: the
-loss is then the fused, chunked `head_loss`, which never builds the [rows, Vd] logits whole;
-the same value and gradients as on the materialized logits.
+states) or a `HeadSlots` (slots along dim -2 that each read their own head) wherever the soft
+CE, the forward / reverse KL or Draft-OPD's losses read them: the loss is then the fused,
+chunked `head_loss`, which never builds the [rows, Vd] logits whole; the same value and
+gradients as on the materialized logits.
 """
 
 from __future__ import annotations
