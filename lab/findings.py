@@ -14,6 +14,8 @@ the glob PATTERN, so the numbers there are never typed. KIND is one of:
   lookup on the held-out sets (τ over every verify step, per set, speed-up, identical outputs);
 - `vllm`: `lab/benchmarks/bench_vllm_real.py` results: exports and vLLM's n-gram speculator
   served by vLLM against vLLM's plain decoding, side by side in one run;
+- `sft-step`: `lab/benchmarks/bench_sft_step.py` results: one SFT step's tokens/s per dtype and
+  loss path beside the matmul roof of its own shapes, measured side by side in one run;
 - `sft-curve`: SFT's held-out τ against the generated training tokens it read (a JSON whose
   `points` are one SFT run each: `lab/gpu/smollm2_scale.py`'s record, with token counts).
 
@@ -233,6 +235,24 @@ def sft_curve_rows(reports: list[Published], docs: Path, option: str) -> Iterato
             ]
 
 
+def sft_step_rows(reports: list[Published], docs: Path, option: str) -> Iterator[list[str]]:
+    for r in (r for r in reports if "batch_tokens" in r.result):
+        res = r.result
+        for s in res["settings"]:
+            yield [
+                r.link(docs),
+                _title(res["kind"]),
+                f"{res['batch_tokens']:,} x {res['ttt_steps']}",
+                "bf16" if s["bf16"] else "fp32",
+                s["loss"],
+                f"{s['tokens_per_s']:,.1f}",
+                f"{s['roof_gflop_per_s']:,.0f}",
+                f"**{s['of_roof']:.2f}**",
+                f"{s['speed_vs_unfused_fp32']:.2f}×",
+                f"{res['cpu_capability']}, {res['threads']} threads; {r.hardware}",
+            ]
+
+
 TABLES: dict[str, tuple[str, Callable[[list[Published], Path, str], Iterator[list[str]]]]] = {
     # kind: (the table's header, its rows from the reports)
     "opd-vs-sft": (
@@ -259,6 +279,11 @@ TABLES: dict[str, tuple[str, Callable[[list[Published], Path, str], Iterator[lis
         "report | data share | training requests | generated tokens | steps | epochs | "
         "held-out first-draft agreement | held-out τ_sim (K=6) | τ_chain | hardware",
         sft_curve_rows,
+    ),
+    "sft-step": (
+        "report | kind | tokens a step x unrolled steps | dtype | loss | tokens/s | matmul roof "
+        "GFLOP/s (the step's shapes) | of the roof | vs unfused fp32 | torch kernels; hardware",
+        sft_step_rows,
     ),
     "see": (
         "report | decoder | τ (per set) | speed-up over plain decoding | identical to plain | "

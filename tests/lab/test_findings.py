@@ -141,6 +141,20 @@ def test_the_sft_curve_is_rendered_from_a_published_record_in_token_order(tmp_pa
     assert "**1.260**" in rows[0] and "**1.934**" in rows[1] and rows[1].endswith("| H200 |")
 
 
+def test_an_sft_step_benchmark_renders_one_row_per_dtype_and_loss_path(tmp_path):
+    def setting(bf16: bool, loss: str, tokens_per_s: float, of_roof: float) -> dict:
+        measured = dict(bf16=bf16, loss=loss, tokens_per_s=tokens_per_s, of_roof=of_roof)
+        return measured | dict(roof_gflop_per_s=414.4, speed_vs_unfused_fp32=tokens_per_s / 400)
+
+    record = dict(kind="eagle3", batch_tokens=1024, ttt_steps=7, cpu_capability="AVX2", threads=2)
+    record["settings"] = [setting(False, "unfused", 400.0, 0.55), setting(True, "fused", 500, 0.8)]
+    rows = _published_rows(tmp_path, record, "smollm2-step", "sft-step", hardware="Xeon")
+    assert len(rows) == 2
+    assert "| EAGLE-3 | 1,024 x 7 | fp32 | unfused | 400.0 | 414 | **0.55** | 1.00× |" in rows[0]
+    assert "| bf16 | fused | 500.0 | 414 | **0.80** | 1.25× |" in rows[1]
+    assert rows[1].endswith("| AVX2, 2 threads; Xeon |")
+
+
 def test_an_opd_see_result_renders_one_row_per_drafting_decoder(tmp_path):
     decoders = [
         {"decoder": "plain", "label": "plain decoding", "tokens_per_s": 20.0, "speedup": 1.0},

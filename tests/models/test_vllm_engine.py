@@ -7,6 +7,7 @@ import logging
 import os
 import shlex
 import stat
+import sys
 from types import SimpleNamespace
 
 from models import vllm_engine
@@ -104,3 +105,43 @@ def test_the_serve_command_is_what_the_engine_is_started_with(monkeypatch):
     assert "--speculative-config" not in plain and plain[4] == "bfloat16"
     monkeypatch.setattr(vllm_engine, "device", lambda: "cuda")
     assert "--enforce-eager" not in vllm_engine.serve_command(eagle)
+
+
+def test_an_engine_start_leaves_this_processs_environment_as_it_was(monkeypatch, tmp_path):
+    # vLLM's CPU platform writes its engine processes' settings (LD_PRELOAD of tcmalloc and
+    # libgomp, LOCAL_WORLD_SIZE) into os.environ as the engine starts; left there, every later
+    # child of the process runs under them (a test suite's `opd run` child peaked 3.37 GiB
+    # under tcmalloc against 2.2 GB alone), so results depended on which tests ran before.
+    class WritesTheEnvironment:
+        def __init__(self, fail: bool, **kwargs):
+            os.environ["LD_PRELOAD"] = "/vllm/libtcmalloc.so"
+            os.environ["LOCAL_WORLD_SIZE"] = "1"
+            if fail:
+                raise ValueError("no room for the KV cache")
+
+    started = []
+
+    def fake_llm(**kwargs):
+        started.append(kwargs["model"])
+        return WritesTheEnvironment(fail=kwargs["model"] == "/m/fails", **kwargs)
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=fake_llm))
+    monkeypatch.setattr(vllm_engine, "_require", lambda: None)
+    monkeypatch.setattr(vllm_engine, "unsupported_reason", lambda model: None)
+    monkeypatch.setattr(vllm_engine, "device", lambda: "cpu")
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    before = dict(os.environ)
+    for model in ("/m/fails", "/m/starts"):
+        spec = EngineSpec(model, "float32")
+        try:
+            vllm_engine.engine(spec, tmp_path / "vllm.log")
+        except vllm_engine.VllmError:
+            assert model == "/m/fails"
+        finally:
+            vllm_engine._ENGINES.pop(spec, None)
+            vllm_engine._ENGINE_PROCESSES.pop(spec, None)
+            vllm_engine._ENGINE_SOCKETS.pop(spec, None)
+            vllm_engine._ENGINE_LOGS.pop(spec, None)
+        assert dict(os.environ) == before, model
+    assert started == ["/m/fails", "/m/starts"]
