@@ -253,6 +253,22 @@ def sft_step_rows(reports: list[Published], docs: Path, option: str) -> Iterator
             ]
 
 
+def target_dtypes_rows(reports: list[Published], docs: Path, option: str) -> Iterator[list[str]]:
+    for r in (r for r in reports if "workloads" in r.result):
+        res = r.result
+        auto = "bf16" if res["native_bf16"] else "fp32"
+        for name, w in res["workloads"].items():
+            yield [
+                r.link(docs),
+                name,
+                f"{w['fp32_s'] * 1e3:,.1f}",
+                f"{w['bf16_s'] * 1e3:,.1f}",
+                f"**{w['bf16_speedup']:.2f}×**",
+                auto,
+                f"{res['cpu_capability']}, {res['threads']} threads; {r.hardware}",
+            ]
+
+
 TABLES: dict[str, tuple[str, Callable[[list[Published], Path, str], Iterator[list[str]]]]] = {
     # kind: (the table's header, its rows from the reports)
     "opd-vs-sft": (
@@ -284,6 +300,11 @@ TABLES: dict[str, tuple[str, Callable[[list[Published], Path, str], Iterator[lis
         "report | kind | tokens a step x unrolled steps | dtype | loss | tokens/s | matmul roof "
         "GFLOP/s (the step's shapes) | of the roof | vs unfused fp32 | torch kernels; hardware",
         sft_step_rows,
+    ),
+    "target-dtypes": (
+        "report | target workload | fp32 ms | bf16 ms | bf16 speed-up | `auto` there | CPU "
+        "capability, threads; hardware",
+        target_dtypes_rows,
     ),
     "see": (
         "report | decoder | τ (per set) | speed-up over plain decoding | identical to plain | "

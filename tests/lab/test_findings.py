@@ -155,6 +155,19 @@ def test_an_sft_step_benchmark_renders_one_row_per_dtype_and_loss_path(tmp_path)
     assert rows[1].endswith("| AVX2, 2 threads; Xeon |")
 
 
+def test_a_target_dtypes_benchmark_renders_one_row_per_workload(tmp_path):
+    workloads = {
+        "decode_1": {"fp32_s": 0.056, "bf16_s": 0.04, "bf16_speedup": 1.4},
+        "features": {"fp32_s": 2.7, "bf16_s": 1.5, "bf16_speedup": 1.8},
+    }
+    record = dict(workloads=workloads, native_bf16=True, cpu_capability="AVX-512-BF16", threads=2)
+    rows = _published_rows(tmp_path, record, "smollm2-dtypes", "target-dtypes", hardware="EPYC")
+    assert len(rows) == 2
+    assert "| decode_1 | 56.0 | 40.0 | **1.40×** | bf16 |" in rows[0]
+    assert "| features | 2,700.0 | 1,500.0 | **1.80×** | bf16 |" in rows[1]
+    assert rows[1].endswith("| AVX-512-BF16, 2 threads; EPYC |")
+
+
 def test_an_opd_see_result_renders_one_row_per_drafting_decoder(tmp_path):
     decoders = [
         {"decoder": "plain", "label": "plain decoding", "tokens_per_s": 20.0, "speedup": 1.0},

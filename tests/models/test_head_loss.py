@@ -273,6 +273,17 @@ def _kind_grads(
     return loss.detach(), grads
 
 
+def _assert_grads_close(got: dict, want: dict) -> None:
+    """A weight's gradient element sums terms as large as the tensor's largest elements, so
+    fp32 rounding is relative to those, not to the element: where the terms cancel to a small
+    element, another CPU's summation order moves it by more than 1e-4 of itself (MTP's eh_proj
+    on an AMD EPYC: 2.6e-6 on 3e-3 in a tensor reaching 5.7). A broken backward is off by the
+    gradient's own size."""
+    for name, w in want.items():
+        scale = max(1.0, float(w.abs().max()))
+        torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
 KIND_CASES = [
     ("eagle3", None, False, None),
     ("eagle3", "eagle1", False, None),
@@ -295,8 +306,7 @@ def test_every_kinds_objective_has_the_unfused_gradients(
     got_loss, got = _kind_grads(tiny_llama, kind, objective, True, replays, settings)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_grads_close(got, want)
     assert sum(float(g.abs().sum()) for g in want.values()) > 0
 
 
@@ -313,8 +323,7 @@ def test_a_broken_fused_gradient_fails_every_kinds_comparison(
     got_loss, got = _kind_grads(tiny_llama, kind, None, True, replays, rollout_ce=False)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     with pytest.raises(AssertionError):
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+        _assert_grads_close(got, want)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "medusa"])
