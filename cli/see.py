@@ -133,6 +133,14 @@ def see_cmd(
     labels["lookup"] = f"{title} K={trained}"
     for line in table(tallies, labels, names):
         click.echo("  " + line)
+    if resolve_dtype(loader.cfg) == "bfloat16" and any(
+        t.identical < t.prompts for name, t in tallies.items() if name != "plain"
+    ):
+        click.echo(
+            "  (bf16: a verify's batched logits round apart from a 1-token step's, so near-ties "
+            "flip and outputs part from there; docs/reference.md, Precision. "
+            "--set target.dtype=float32 decodes them identically)"
+        )
     if json_out is not None:
         facts = {"drafter": str(ds.ref), "drafter_kind": drafter.spec.name, "k": k}
         facts |= {"trained_k": trained, "k_report": k_report(ds, k), "directory": str(directory)}

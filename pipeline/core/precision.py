@@ -4,7 +4,7 @@
 on CUDA, on CPUs with AMX tiles, and on AMD CPUs with AVX-512-BF16 (Zen 4 and later), where
 bf16 matrix kernels outrun fp32 ones. The same AVX-512-BF16 kernels (oneDNN's
 `brg_matmul:avx512_core_bf16`) measured far apart on two CPUs without AMX (docs/scale.md):
-on an AMD EPYC (Zen 4) bf16 ran SmolLM2's SFT step 1.7x and its target forwards 1.4-2.3x
+on an AMD EPYC (Zen 4) bf16 ran SmolLM2's SFT step 1.7x and its target forwards 1.3-2.3x
 faster than fp32; on an Intel Xeon (Emerald Rapids, AMX not exposed) the matmuls ran at
 0.4-0.75x fp32's speed, so an Intel CPU without AMX stays fp32. An AVX2-only CPU emulates bf16
 (SmolLM2's EAGLE-3 step took 7.8x its fp32 time) and stays fp32 too.

@@ -43,7 +43,7 @@ def test_the_cpu_capability_is_named_and_this_cpu_resolves_by_the_rule():
     ("capability", "vendor", "native"),
     [
         ("AMX", "GenuineIntel", True),
-        ("AVX-512-BF16", "AuthenticAMD", True),  # Zen 4: bf16 1.4-2.3x fp32 (docs/scale.md)
+        ("AVX-512-BF16", "AuthenticAMD", True),  # Zen 4: bf16 1.3-2.3x fp32 (docs/scale.md)
         ("AVX-512-BF16", "GenuineIntel", False),  # Emerald Rapids, no AMX: 0.4-0.75x
         ("AVX-512-BF16", "", False),
         ("AVX-512", "AuthenticAMD", False),
