@@ -21,6 +21,10 @@ from pipeline.stages import features, generate, opd, rollout, score, sft
 from storage import OpdError, Store, sha256_file
 from tests.pipeline.conftest import write_prompts
 
+# The tiny profile's random target is fp32; a drafter's record leaves the dtype to the importing
+# machine, and where `auto` is bf16 the random target built in bf16 is another target.
+FP32 = ("--set", "target.dtype=float32")
+
 
 def run_opd(root, *args):
     return CliRunner().invoke(cli, ["--root", str(root), *args])
@@ -194,7 +198,7 @@ def test_a_drafter_round_trips_through_its_export_and_every_stage_takes_it(made,
         record["target"]["path"] == "random" and "tokenizer_sha256" in record["target_fingerprint"]
     )
     fresh = tmp_path / "fresh"
-    r = run_opd(fresh, "data", "import-drafter", str(out))
+    r = run_opd(fresh, "data", "import-drafter", str(out), *FP32)
     assert r.exit_code == 0, r.output
     imported = Store(fresh).open("sft@latest")
     assert imported.manifest["stage"] == "import-drafter"
@@ -213,7 +217,11 @@ def test_a_drafter_round_trips_through_its_export_and_every_stage_takes_it(made,
     assert torch.equal(
         _logits(Store(root), sft_ref, loader), _logits(Store(fresh), str(imported.ref), loader)
     )
-    assert run_opd(fresh, "data", "import-drafter", str(out)).output.strip().endswith("(existed)")
+    assert (
+        run_opd(fresh, "data", "import-drafter", str(out), *FP32)
+        .output.strip()
+        .endswith("(existed)")
+    )
 
     store = Store(fresh)
     prompts = write_prompts(store)
@@ -240,7 +248,7 @@ def test_a_drafter_round_trips_through_its_export_and_every_stage_takes_it(made,
 def test_a_drafter_dataset_directory_imports_as_well(made, tmp_path):
     root, _, sft_ref, _, _ = made
     src = Store(root).open(sft_ref).path
-    r = run_opd(tmp_path / "fresh", "data", "import-drafter", str(src))
+    r = run_opd(tmp_path / "fresh", "data", "import-drafter", str(src), *FP32)
     assert r.exit_code == 0, r.output
     imported = Store(tmp_path / "fresh").open("sft@latest")
     loader = TargetLoader(load_config("tiny").target)
@@ -257,16 +265,18 @@ def test_a_drafter_for_another_target_or_a_tampered_one_is_refused(made, tmp_pat
     tampered = tmp_path / "tampered"
     shutil.copytree(out, tampered)
     (tampered / "PROVENANCE.md").write_text("corpus, steps, held-out tau\n")  # notes are fine
-    assert run_opd(tmp_path / "b", "data", "import-drafter", str(tampered)).exit_code == 0
+    assert run_opd(tmp_path / "b", "data", "import-drafter", str(tampered), *FP32).exit_code == 0
     weights = tampered / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0xFF
     weights.write_bytes(bytes(data))
     one_line_error(
-        run_opd(tmp_path / "a", "data", "import-drafter", str(tampered)), "fails its checksums"
+        run_opd(tmp_path / "a", "data", "import-drafter", str(tampered), *FP32),
+        "fails its checksums",
     )
     one_line_error(
-        run_opd(tmp_path / "a", "data", "import-drafter", str(tmp_path)), "neither an `opd export`"
+        run_opd(tmp_path / "a", "data", "import-drafter", str(tmp_path), *FP32),
+        "neither an `opd export`",
     )
     assert not (tmp_path / "a" / "sft").exists()
 
@@ -277,7 +287,7 @@ def test_a_bf16_export_imports_and_decodes_losslessly_beside_the_fp32_target(mad
     r = run_opd(root, "export", "--drafter", sft_ref, "--out", str(out), "--dtype", "bfloat16")
     assert r.exit_code == 0 and "round trip: identical logits" in r.output, r.output
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    r = run_opd(tmp_path / "fresh", "data", "import-drafter", str(out))
+    r = run_opd(tmp_path / "fresh", "data", "import-drafter", str(out), *FP32)
     assert r.exit_code == 0, r.output
     store = Store(tmp_path / "fresh")
     stored = json.loads(store.open("sft@latest").file(CONFIG_FILE).read_text())
@@ -294,7 +304,7 @@ def test_a_bf16_export_imports_and_decodes_losslessly_beside_the_fp32_target(mad
 def test_sft_continues_an_imported_drafter_on_new_trajectories_with_its_map(made, tmp_path):
     out = made[3]
     fresh = tmp_path / "fresh"
-    assert run_opd(fresh, "data", "import-drafter", str(out)).exit_code == 0
+    assert run_opd(fresh, "data", "import-drafter", str(out), *FP32).exit_code == 0
     chat = tmp_path / "new.jsonl"
     asks = [("x = 1", "y = x + 1"), ("def f():", "return 2"), ("a", "b = a"), ("for i", "in x:")]
     chat.write_text(

@@ -49,7 +49,9 @@ def trained(tmp_path_factory):
     TargetLoader(cfg.target).target.model.save_pretrained(target_dir)
     for name in TOKENIZER_FILES:
         shutil.copy(EMBEDDED_TARGET / name, target_dir / name)
-    loader = TargetLoader(TargetConfig(path=str(target_dir), aux_layer_ids=[1, 2, 3]))
+    # fp32 as the tiny profile's: `auto` would be bf16 on a CPU that runs it natively
+    target = TargetConfig(path=str(target_dir), aux_layer_ids=[1, 2, 3], dtype="float32")
+    loader = TargetLoader(target)
     store = Store(base / "data")
     ctx = RunContext(store=store, target_loader=loader, progress=False)
     traj = run_stage(generate.STAGE, cfg.generate, {"prompts": write_prompts(store)}, ctx).dataset
@@ -64,7 +66,8 @@ def opd(root, *args):
 
 def named(target_dir):
     """The target stated on the command line (independent of what the datasets record)."""
-    return ["--set", f"target.path={target_dir}", "--set", "target.aux_layer_ids=[1,2,3]"]
+    sets = [f"target.path={target_dir}", "target.aux_layer_ids=[1,2,3]", "target.dtype=float32"]
+    return [arg for s in sets for arg in ("--set", s)]
 
 
 def one_line_error(result, message):
@@ -344,11 +347,9 @@ def test_a_conflicting_explicit_target_is_an_error_naming_both(trained, tmp_path
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"), "--profile", "default")
     one_line_error(r, "made with a different target than this command names")
     assert f"target.path: '{target_dir.resolve()}' ({ref}) vs 'embedded' (this command)" in r.output
-    made = resolve_dtype(TargetConfig())  # `auto`: bf16 where the device runs it natively
-    other = "float32" if made == "bfloat16" else "bfloat16"
     r = opd(root, "export", "--drafter", ref, "--out", str(tmp_path / "a"),
-            "--set", f"target.dtype={other}")  # fmt: skip
-    one_line_error(r, f"target.dtype: '{made}'")
+            "--set", "target.dtype=bfloat16")  # fmt: skip
+    one_line_error(r, "target.dtype: 'float32'")  # the fixture's, pinned
     assert not (tmp_path / "a").exists()
 
 
@@ -368,7 +369,7 @@ def test_a_single_stage_run_takes_the_target_of_its_inputs(trained):
     recorded = Store(root).open("features@latest").meta["target_config"]
     assert recorded == {
         "path": str(target_dir.resolve()),
-        "dtype": resolve_dtype(TargetConfig()),
+        "dtype": "float32",  # the inputs' (the fixture pins it), not this machine's `auto`
         "aux_layer_ids": [1, 2, 3],
     }
 

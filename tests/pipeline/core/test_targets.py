@@ -34,6 +34,7 @@ def machine(monkeypatch):
 
 
 def _load(**cfg) -> object:
+    cfg = {"dtype": "float32"} | cfg  # the fp32 sizes below; `auto` is bf16 on some CPUs
     return TargetLoader(TargetConfig(path="shape:llama-3.1-8b", device="cpu", **cfg)).target
 
 
