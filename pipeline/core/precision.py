@@ -1,19 +1,16 @@
 """Which precision a device runs natively, and the words a stage's lines use to say so.
 
 `auto` settings (`target.dtype`, `sft.bf16`, `opd.bf16`) resolve here. bf16 counts as native
-on CUDA, on CPUs with AMX tiles, and on AMD CPUs with AVX-512-BF16 (Zen 4 and later), where
-bf16 matrix kernels outrun fp32 ones. The same AVX-512-BF16 kernels (oneDNN's
-`brg_matmul:avx512_core_bf16`) measured far apart on two CPUs without AMX (docs/scale.md):
-on an AMD EPYC (Zen 4) bf16 ran SmolLM2's SFT step 1.7x and its target forwards 1.3-2.3x
-faster than fp32; on an Intel Xeon (Emerald Rapids, AMX not exposed) the matmuls ran at
-0.4-0.75x fp32's speed, so an Intel CPU without AMX stays fp32. An AVX2-only CPU emulates bf16
-(SmolLM2's EAGLE-3 step took 7.8x its fp32 time) and stays fp32 too.
+on CUDA and on CPUs with AMX tiles, where bf16 matrix kernels outrun fp32 ones. CPUs with
+AVX-512-BF16 but no AMX stay fp32: the same oneDNN kernels (`brg_matmul:avx512_core_bf16`)
+ran at 0.4-0.75x fp32's speed on an Intel Xeon (Emerald Rapids) but 1.3-2.3x faster on an AMD
+EPYC (Zen 4; docs/scale.md), where bf16 is set explicitly for now. An AVX2-only CPU emulates
+bf16 (SmolLM2's EAGLE-3 step took 7.8x its fp32 time) and stays fp32 too.
 """
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -39,27 +36,10 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-@functools.cache
-def cpu_vendor() -> str:
-    """`/proc/cpuinfo`'s vendor id (`AuthenticAMD`, `GenuineIntel`), or '' where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id":
-                return value.strip()
-    except OSError:
-        pass
-    return ""
-
-
 def native_bf16(device_type: str) -> bool:
-    """Whether bf16 runs at least as fast as fp32 on this device type: CUDA, a CPU with AMX, or
-    an AMD CPU with AVX-512-BF16 (see the module docstring for the measurements behind the
-    rule)."""
-    if device_type != "cpu":
-        return True
-    capability = cpu_capability()
-    return capability == "AMX" or (capability == "AVX-512-BF16" and cpu_vendor() == "AuthenticAMD")
+    """Whether bf16 runs at least as fast as fp32 on this device type: CUDA, or a CPU with AMX
+    (see the module docstring for the measurements behind the rule)."""
+    return device_type != "cpu" or cpu_capability() == "AMX"
 
 
 def resolve_bf16(setting: Bf16Setting, device: torch.device) -> bool:

@@ -74,8 +74,8 @@ class TargetConfig(StrictConfig):
     the drafter run; never part of a version (the same weights give the same data anywhere, up
     to `dtype`, which is)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """`auto`: bf16 where the device runs it natively (CUDA, a CPU with AMX, an AMD CPU with
-    AVX-512-BF16: `pipeline.core.precision.native_bf16`), else fp32. The resolved dtype enters the target's
+    """`auto`: bf16 where the device runs it natively (CUDA, a CPU with AMX:
+    `pipeline.core.precision.native_bf16`), else fp32. The resolved dtype enters the target's
     identity, so fp32 and bf16 datasets never mix. In bf16 a T=0 speculative output can differ
     from plain greedy decoding at near-ties (evaluate counts them); fp32 keeps them equal."""
     device_map: Literal["auto"] | None = None

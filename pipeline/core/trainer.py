@@ -114,7 +114,7 @@ class TrainConfig(StrictConfig):
     seed: int = 0
     bf16: Bf16Setting = "auto"
     """bf16 autocast (fp32 master weights): `auto` where the device runs bf16 natively (CUDA, a
-    CPU with AMX or AMD's AVX-512-BF16: 1.4-1.8x faster there; `precision.native_bf16`),
+    CPU with AMX: 1.4-1.8x faster there, ENV-NOTES; `pipeline.core.precision.native_bf16`),
     else fp32; true forces it (emulated, 7.8x slower, on an AVX2-only CPU). The version holds
     the resolved true/false (`resolved`), so fp32 and bf16 drafters never share one."""
     checkpoint_every: int = runtime_field(100, "save a resumable checkpoint every N steps")

@@ -29,7 +29,7 @@ def test_auto_is_the_cpu_and_its_native_dtype_without_a_gpu_and_bf16_with_a_devi
     if not NO_CUDA:
         pytest.skip("resolution without a GPU")
     cfg = TargetConfig()
-    native = "bfloat16" if native_bf16("cpu") else "float32"  # bf16 on AMX and AMD AVX-512-BF16
+    native = "bfloat16" if native_bf16("cpu") else "float32"  # bf16 on AMX (docs/scale.md)
     assert resolve_device(cfg) == torch.device("cpu") and resolve_dtype(cfg) == native
     assert resolve_dtype(TargetConfig(dtype="bfloat16")) == "bfloat16"
     assert resolve_dtype(TargetConfig(device_map="auto")) == "bfloat16"

@@ -2,7 +2,6 @@
 word `auto`) enters every version, and that a stage's lines name the device and the dtype."""
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,44 +27,15 @@ def native(monkeypatch):
     return set_to
 
 
-def test_the_cpu_capability_is_named_and_this_cpu_resolves_by_the_rule():
+def test_the_cpu_capability_is_named_and_only_amx_counts_as_native_bf16():
     capability = precision.cpu_capability()
     assert capability in ("AMX", "AVX-512-BF16", "AVX-512", "AVX2") or not capability.startswith(
         "AVX"
     )
-    amd_bf16 = capability == "AVX-512-BF16" and precision.cpu_vendor() == "AuthenticAMD"
-    assert precision.native_bf16("cpu") == (capability == "AMX" or amd_bf16)
+    # on the AVX-512-BF16 Xeon without AMX, bf16 matmuls ran at 0.4-0.75x fp32 (docs/scale.md)
+    assert precision.native_bf16("cpu") == (capability == "AMX")
     assert precision.native_bf16("cuda")
     assert precision.device_name(torch.device("cpu")) == f"cpu {capability}"
-
-
-@pytest.mark.parametrize(
-    ("capability", "vendor", "native"),
-    [
-        ("AMX", "GenuineIntel", True),
-        ("AVX-512-BF16", "AuthenticAMD", True),  # Zen 4: bf16 1.3-2.3x fp32 (docs/scale.md)
-        ("AVX-512-BF16", "GenuineIntel", False),  # Emerald Rapids, no AMX: 0.4-0.75x
-        ("AVX-512-BF16", "", False),
-        ("AVX-512", "AuthenticAMD", False),
-        ("AVX2", "AuthenticAMD", False),  # emulated: 7.8x slower
-    ],
-)
-def test_bf16_is_native_on_amx_and_on_amds_avx512_bf16_only(
-    monkeypatch, capability: str, vendor: str, native: bool
-):
-    monkeypatch.setattr(precision, "cpu_capability", lambda: capability)
-    monkeypatch.setattr(precision, "cpu_vendor", lambda: vendor)
-    assert precision.native_bf16("cpu") is native
-    assert precision.native_bf16("cuda")
-
-
-def test_the_cpu_vendor_is_read_from_cpuinfo():
-    vendor = precision.cpu_vendor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file() and "vendor_id" in cpuinfo.read_text():
-        assert vendor and vendor in cpuinfo.read_text()
-    else:
-        assert vendor == ""
 
 
 def test_a_bf16_setting_resolves_by_the_device_unless_it_is_explicit(native):
