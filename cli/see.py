@@ -125,27 +125,20 @@ def see_cmd(
     tallies = side_by_side(
         target, {"drafter": (drafter, k), "lookup": (lookup, trained)}, prompts, max_new_tokens
     )
-    click.echo(f"CPU {cpu_name()}, target dtype {resolve_dtype(loader.cfg)}, "
+    dtype = resolve_dtype(loader.cfg)
+    click.echo(f"CPU {cpu_name()}, target dtype {dtype}, "
                f"{torch.get_num_threads()} torch thread(s)")  # fmt: skip
     click.echo(f"drafter {ds.ref} from {directory}: {drafter.spec.title}")
     click.echo(f"draft length {k_report(ds, k)}")
     labels = {"plain": "plain decoding", "drafter": f"{drafter.spec.title} K={k}"}
     labels["lookup"] = f"{title} K={trained}"
-    for line in table(tallies, labels, names):
+    for line in table(tallies, labels, names, dtype):
         click.echo("  " + line)
-    if resolve_dtype(loader.cfg) == "bfloat16" and any(
-        t.identical < t.prompts for name, t in tallies.items() if name != "plain"
-    ):
-        click.echo(
-            "  (bf16: a verify's batched logits round apart from a 1-token step's, so near-ties "
-            "flip and outputs part from there; docs/reference.md, Precision. "
-            "--set target.dtype=float32 decodes them identically)"
-        )
     if json_out is not None:
         facts = {"drafter": str(ds.ref), "drafter_kind": drafter.spec.name, "k": k}
         facts |= {"trained_k": trained, "k_report": k_report(ds, k), "directory": str(directory)}
         facts |= {"prompts_per_set": prompts_per_set, "max_new_tokens": max_new_tokens}
-        facts |= {"dtype": resolve_dtype(loader.cfg), "threads": torch.get_num_threads()}
+        facts |= {"dtype": dtype, "threads": torch.get_num_threads()}
         write_report(json_out, facts, summary(tallies, labels, names), names)
     served = drafter.speculative_config(directory.resolve(), k)
     click.echo("serve it with:")

@@ -5,7 +5,7 @@ on CUDA and on CPUs with AMX tiles, where bf16 matrix kernels outrun fp32 ones. 
 AVX-512-BF16 but no AMX stay fp32: the same oneDNN kernels (`brg_matmul:avx512_core_bf16`)
 ran at 0.4-0.75x fp32's speed on an Intel Xeon (Emerald Rapids) but 1.3-2.3x faster on an AMD
 EPYC (Zen 4; docs/scale.md), where bf16 is set explicitly for now. An AVX2-only CPU emulates
-bf16 (SmolLM2's EAGLE-3 step took 7.8x its fp32 time) and stays fp32 too.
+bf16 (SmolLM2's drafter step took 7.8x its fp32 time) and stays fp32 too.
 """
 
 from __future__ import annotations
